@@ -1,0 +1,58 @@
+"""distrun: a small PyTorch distributed training loop with a pluggy plugin ecosystem.
+
+Importing this package does not import torch; the loop imports it when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from distrun._version import __version__
+from distrun.errors import DistrunError, UsageError
+from distrun.markers import hookimpl, hookspec
+from distrun.options import Option
+from distrun.strategy import StrategyInfo
+
+if TYPE_CHECKING:
+    from distrun.config import RunConfig
+    from distrun.run import Run
+    from distrun.task import Task
+    from distrun.trainer import Trainer
+
+__all__ = [
+    "DistrunError",
+    "Option",
+    "Run",
+    "RunConfig",
+    "StrategyInfo",
+    "Task",
+    "Trainer",
+    "UsageError",
+    "__version__",
+    "fit",
+    "hookimpl",
+    "hookspec",
+]
+
+_LAZY = {
+    "RunConfig": "distrun.config",
+    "Run": "distrun.run",
+    "Task": "distrun.task",
+    "Trainer": "distrun.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Torch-importing names load on first use so `distrun --help` stays torch-free.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'distrun' has no attribute {name!r}")
+
+
+def fit(task: Any, **options: Any) -> Any:
+    """Train ``task`` with the loop; ``options`` are run-config fields (flags win over them)."""
+    from distrun.trainer import Trainer
+
+    return Trainer(**options).fit(task)

@@ -1,0 +1,3 @@
+from distrun.cli import main
+
+main()

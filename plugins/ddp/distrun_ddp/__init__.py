@@ -1,0 +1,1 @@
+"""distrun-ddp: DistributedDataParallel strategy for distrun."""

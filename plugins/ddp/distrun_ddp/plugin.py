@@ -1,0 +1,1 @@
+"""Entry point of distrun-ddp (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-dp: DataParallel strategy for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-dp (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-elastic: Elastic fault recovery for distrun."""

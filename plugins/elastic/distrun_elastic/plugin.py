@@ -1,0 +1,1 @@
+"""Entry point of distrun-elastic (torch-free at import)."""

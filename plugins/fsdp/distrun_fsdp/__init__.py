@@ -1,0 +1,1 @@
+"""distrun-fsdp: FSDP2 (fully_shard) strategy for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-fsdp (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-join: Join for uneven inputs across ranks."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-join (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-rpc: RPC and parameter-server strategies for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-rpc (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-safetensors: Sharded, crash-consistent safetensors checkpoints for distrun."""

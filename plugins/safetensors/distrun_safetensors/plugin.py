@@ -1,0 +1,1 @@
+"""Entry point of distrun-safetensors (torch-free at import)."""

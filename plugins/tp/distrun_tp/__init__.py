@@ -1,0 +1,1 @@
+"""distrun-tp: Tensor parallel and 2D strategies for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-tp (torch-free at import)."""

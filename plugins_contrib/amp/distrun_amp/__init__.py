@@ -1,0 +1,1 @@
+"""distrun-amp: Mixed precision for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-amp (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-cluster_env (torch-free at import)."""

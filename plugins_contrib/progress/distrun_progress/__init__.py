@@ -1,0 +1,1 @@
+"""distrun-progress: Progress bar for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-progress (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-ray: Ray launcher for distrun."""

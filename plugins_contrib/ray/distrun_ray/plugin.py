@@ -1,0 +1,1 @@
+"""Entry point of distrun-ray (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-tensorboard: TensorBoard logging for distrun."""

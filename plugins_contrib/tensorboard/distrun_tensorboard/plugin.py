@@ -1,0 +1,1 @@
+"""Entry point of distrun-tensorboard (torch-free at import)."""

@@ -1,0 +1,1 @@
+"""distrun-zero: ZeroRedundancyOptimizer for distrun."""

@@ -1,0 +1,1 @@
+"""Entry point of distrun-zero (torch-free at import)."""
