@@ -29,6 +29,7 @@ class BaseStrategy:
     """One process per rank, the model replicated as-is, gradients left alone."""
 
     name = "base"
+    trains = True
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

@@ -14,7 +14,13 @@ import click
 from distrun import __version__
 from distrun.config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.errors import DistrunError, UsageError
-from distrun.plugins import BLOCK_ENV, EXTRA_ENV, make_plugin_manager, plugin_infos, set_plugin_manager
+from distrun.plugins import (
+    BLOCK_ENV,
+    EXTRA_ENV,
+    make_plugin_manager,
+    plugin_infos,
+    set_plugin_manager,
+)
 from distrun.registry import choose_strategy, collect_options, collect_strategies
 
 __all__ = ["main", "build_cli"]
@@ -50,9 +56,7 @@ def _scan_plugin_flags(argv: Sequence[str]) -> tuple[list[str], list[str], bool]
             value = arg[2:].lstrip("=")
         elif arg == "--debug":
             debug = True
-        elif arg in ("-m", "--module"):
-            break
-        elif not arg.startswith("-") and (arg.endswith(".py") or ":" in arg):
+        elif arg in ("-m", "--module") or not arg.startswith("-") and (arg.endswith(".py") or ":" in arg):
             break
         if value:
             (blocked if value.startswith("no:") else extra).append(value.removeprefix("no:"))
@@ -185,18 +189,20 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
         config = with_values(config, source=f"cluster:{cluster.name}", **fill)
     from distrun.launcher import resolve_nproc
 
-    world = None
-    if config.nnodes.isdigit():
-        world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
-    info = choose_strategy(config, world, collect_strategies(pm))
-    if world is not None and world > 1 and not info.multi_process:
-        raise UsageError(
-            f"strategy '{info.name}' runs in one process but {world} were asked for "
-            f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
-        )
+    # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
+    if config.strategy != "auto":
+        world = None
+        if config.nnodes.isdigit():
+            world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
+        info = choose_strategy(config, world, collect_strategies(pm))
+        if world is not None and world > 1 and not info.multi_process:
+            raise UsageError(
+                f"strategy '{info.name}' runs in one process but {world} were asked for "
+                f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
+            )
     name = config.name or _default_name(target)
     run_dir = config.run_dir or os.path.join("runs", name)
-    return with_values(config, strategy=info.name, name=name, run_dir=run_dir)
+    return with_values(config, name=name, run_dir=run_dir)
 
 
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,

@@ -55,7 +55,8 @@ class RunConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
     device: str = _opt("auto", "device type", choices=("auto", "cpu", "cuda"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
-    resume: str = _opt("never", "'never', 'auto' (latest checkpoint of the run) or a PATH")
+    resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
+                               "'latest' (the same, but one must exist) or a PATH")
     name: str = _opt("", "run name (default: the script's name and the start time)")
     run_dir: str = _opt("", "run folder (default: runs/NAME)")
     summary: bool = _opt(True, "print the model summary table on rank 0")
@@ -219,9 +220,10 @@ def _read_toml(path: str, opts: Mapping[str, Option]) -> dict[str, Any]:
 
 
 def _check(config: RunConfig) -> None:
-    if config.resume not in ("never", "auto") and not os.path.exists(config.resume):
+    if config.resume not in ("never", "auto", "latest") and not os.path.exists(config.resume):
         raise UsageError(
-            f"--resume {config.resume}: no such checkpoint (use 'auto', 'never' or an existing path)"
+            f"--resume {config.resume}: no such checkpoint "
+            "(use 'auto', 'latest', 'never' or an existing path)"
         )
     nnodes = config.nnodes
     parts = nnodes.split(":")

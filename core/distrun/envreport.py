@@ -42,7 +42,7 @@ def env_report(pm: Any) -> str:
     cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
     if cluster is not None:
         facts = ", ".join(f"{k}={v}" for k, v in cluster.__dict__.items()
-                          if v not in (None, False) and k != "name")
+                          if v is not None and v is not False and k != "name")
         lines.append(f"- Cluster environment: {cluster.name}" + (f" ({facts})" if facts else ""))
     lines.append("- Plugins:")
     for info in plugin_infos(pm):

@@ -11,6 +11,19 @@ Conventions (as in pytest and pluggy):
   ``run.strategy``, ``run.model``, ``run.optimizer``, ``run.train_loader``, ``run.progress``,
   ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``.
 
+Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``
+(building the CLI), then ``detect_cluster``, then ``launch``. In each worker::
+
+    register_options -> configure -> register_strategies -> setup_strategy -> setup_model
+    -> setup_optimizer -> setup_data -> [load_checkpoint -> load_state_dict]
+    -> on_fit_start -> run_fit(
+         run_epoch( (training_step -> backward) x grad_accum -> optimizer_step
+                    -> on_step_end -> [log_metrics] -> [run_validation
+                    -> on_validation_end -> log_metrics] ... )
+         -> [run_validation -> on_validation_end -> log_metrics] -> on_epoch_end ... )
+    -> on_fit_end | (on_preempt -> save_checkpoint -> state_dict) | on_exception
+    -> teardown
+
 Hooks of phase 1 run in the launcher process (no torch imported, no process group). All the
 others run in every worker process on every rank unless the docstring says otherwise.
 """

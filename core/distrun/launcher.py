@@ -82,13 +82,14 @@ class _Worker:
     proc: subprocess.Popen
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     threads: list[threading.Thread] = field(default_factory=list)
+    log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
 
 class WorkerGroup:
     """This node's worker processes: start, relay output, forward signals, wait, stop."""
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
-                 ranks: Sequence[int], tee: bool = False) -> None:
+                 ranks: Sequence[int], tee: bool = False, log_dir: str | None = None) -> None:
         self.command = list(command)
         self.tee = tee
         self.workers: list[_Worker] = []
@@ -101,6 +102,12 @@ class WorkerGroup:
                 start_new_session=True, bufsize=1, text=True, errors="replace",
             )
             worker = _Worker(rank, proc)
+            if log_dir:
+                try:
+                    os.makedirs(log_dir, exist_ok=True)
+                    worker.log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
+                except OSError:
+                    worker.log = None
             for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
                 t = threading.Thread(target=self._relay, args=(worker, src, dst), daemon=True)
                 t.start()
@@ -111,6 +118,9 @@ class WorkerGroup:
         for line in src:
             worker.tail.append(line.rstrip("\n"))
             with self._print_lock:
+                if worker.log is not None and not worker.log.closed:
+                    worker.log.write(line)
+                    worker.log.flush()
                 # The same usage error from N ranks is said once.
                 if line.startswith("error: "):
                     if line in self._seen_errors:
@@ -165,6 +175,9 @@ class WorkerGroup:
         for w in self.workers:
             for t in w.threads:
                 t.join(timeout=2.0)
+            if w.log is not None:
+                with self._print_lock:
+                    w.log.close()
 
 
 def _exit_code(returncode: int) -> int:
@@ -195,6 +208,9 @@ def node_layout(config: RunConfig) -> tuple[int, int]:
 
 
 def launch_local(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
+    cluster = per_process_cluster(config, environ)
+    if cluster is not None:
+        return launch_in_place(config, command, environ, cluster)
     nproc, nnodes = node_layout(config)
     addr, port = config.master_addr, config.master_port
     if nnodes > 1 and port == 0:
@@ -217,7 +233,59 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
         env.setdefault("PYTHONUNBUFFERED", "1")
         envs.append(env)
         ranks.append(rank)
-    group = WorkerGroup(command, envs, ranks, tee=config.tee)
+    log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
+    group = WorkerGroup(command, envs, ranks, tee=config.tee, log_dir=log_dir)
+    return wait_with_signals(group)
+
+
+#: layout fields that, set by a flag, variable or file, turn the per-process path off
+_LAYOUT_FIELDS = ("nproc_per_node", "nnodes", "node_rank")
+_AGENT_VARS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_MAX_RESTARTS")
+
+
+def per_process_cluster(config: RunConfig, environ: Mapping[str, str]) -> Any:
+    """The detected cluster when its scheduler started one launcher per rank (srun, mpirun).
+
+    None when it did not, or when the user chose the layout (``--nproc-per-node`` etc.).
+    """
+    from distrun.plugins import get_plugin_manager
+
+    cluster = get_plugin_manager().hook.distrun_detect_cluster(environ=dict(environ))
+    if cluster is None or not cluster.per_process or None in (cluster.rank, cluster.world_size):
+        return None
+    if any(not config.sources.get(k, "cluster:").startswith("cluster:") for k in _LAYOUT_FIELDS):
+        return None
+    return cluster
+
+
+def launch_in_place(config: RunConfig, command: list[str], environ: dict[str, str],
+                    cluster: Any) -> int:
+    """Run exactly one worker, rank ``cluster.rank`` of ``cluster.world_size``."""
+    nnodes = cluster.nnodes or 1
+    if nnodes > 1 and cluster.master_addr is None and "master_addr" not in config.sources:
+        raise UsageError(f"{cluster.name} spans {nnodes} nodes but does not say where rank 0 "
+                         "runs (export MASTER_ADDR, or pass --master-addr)")
+    addr, port = config.master_addr, config.master_port
+    if port == 0:
+        raise UsageError(f"{cluster.name}: every rank needs the same --master-port (give one)")
+    # Under a TorchElastic agent the agent hosts the store and counts the restarts: keep those.
+    inherited = {k: environ[k] for k in _AGENT_VARS if k in environ}
+    if cluster.rank == 0 and inherited.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        check_port(addr, port)
+    local_world = cluster.nproc_per_node or 1
+    env = dict(environ)
+    env.update(torchrun_env(
+        rank=cluster.rank, local_rank=cluster.local_rank or 0, world_size=cluster.world_size,
+        local_world_size=local_world, node_rank=cluster.node_rank or 0, nnodes=nnodes,
+        master_addr=addr, master_port=port,
+        run_id=environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"))
+    env.update(inherited)
+    if local_world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
+    group = WorkerGroup(command, [env], [cluster.rank], tee=config.tee, log_dir=log_dir)
     return wait_with_signals(group)
 
 

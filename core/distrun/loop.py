@@ -34,6 +34,8 @@ def setup_run(run: Run) -> None:
     run.strategy = info.factory(run.config)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
+    if not getattr(run.strategy, "trains", True):
+        return  # a serving rank (RPC parameter server): nothing to build here
     seed_everything(run.config.seed)
     run.model = run.task.configure_model()
     if not isinstance(run.model, torch.nn.Module):
@@ -68,9 +70,12 @@ def _is_map_dataset(data: Any) -> bool:
 def build_loaders(run: Run) -> None:
     cfg, st = run.config, run.strategy
     collate = getattr(run.task, "collate_fn", None)
+    # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
+    # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
     common = dict(num_workers=cfg.num_workers, collate_fn=collate,
                   pin_memory=st.device.type == "cuda",
-                  persistent_workers=cfg.num_workers > 0)
+                  persistent_workers=cfg.num_workers > 0,
+                  generator=torch.Generator().manual_seed(cfg.seed))
     data = run.task.train_data()
     if _is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
@@ -145,6 +150,7 @@ def fit_loop(run: Run) -> Any:
         run.sampler.epoch = run.progress.epoch
     while run.progress.epoch < cfg.max_epochs and not run.done:
         run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
+        _await_ranks(run, run.progress.epoch)
         if run.done and run.stop_signal is not None:
             break
         finished = run.progress.epoch
@@ -161,6 +167,29 @@ def fit_loop(run: Run) -> Any:
             and run.extras.get("_val_step") != run.progress.step:
         validate(run)
     return run.progress
+
+
+def _await_ranks(run: Run, epoch: int) -> None:
+    """Plain iterables may run out at different steps on different ranks: meet at the end of
+    the epoch through the store, not a collective (a rank still training would mismatch it and
+    gloo aborts), so a rank ahead fails with a timeout instead of corrupting the next op."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if run.sampler is not None or run.world_size < 2 or not dist.is_initialized() \
+            or dist.get_world_size() != run.world_size:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"distrun/epoch_end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{epoch}"
+    if store.add(key, 1) == run.world_size:
+        store.set(key + "/all", "1")
+    try:
+        store.wait([key + "/all"], datetime.timedelta(seconds=run.config.timeout))
+    except RuntimeError:
+        raise TimeoutError(f"rank {run.rank} finished epoch {epoch} but the other ranks did "
+                           f"not within the {run.config.timeout:g}s timeout") from None
 
 
 def _epoch_complete(run: Run) -> bool:

@@ -57,8 +57,9 @@ def coerce(option: Option, value: Any, source: str) -> Any:
         return None
     where = f"{option.flag}" if source == "flag" else f"'{option.name}' in {source}"
     try:
-        if option.parse is not None and isinstance(value, str):
-            out = option.parse(value)
+        if option.parse is not None and isinstance(value, (str, int, float)) \
+                and not isinstance(value, bool):
+            out = option.parse(str(value))  # a TOML number too: `nproc_per_node = 2`
         elif option.type is bool:
             out = _to_bool(value)
         elif option.type is int:

@@ -30,6 +30,12 @@ __all__ = [
 BUILTIN_PLUGINS = {
     "core": "distrun.builtin",
     "single": "distrun.single",
+    "console": "distrun.console",
+    "csv_logger": "distrun.csv_logger",
+    "runfolder": "distrun.runfolder",
+    "plot": "distrun.plot",
+    "config": "distrun.configcmd",
+    "scaffold": "distrun.scaffold",
 }
 AUTOLOAD_ENV = "DISTRUN_DISABLE_PLUGIN_AUTOLOAD"
 EXTRA_ENV = "DISTRUN_PLUGINS"

@@ -50,6 +50,9 @@ class Strategy(Protocol):
     #: ranks that see different data (the data cursor shards over these)
     dp_rank: int
     dp_world_size: int
+    #: False on ranks that only serve others (RPC parameter servers): the trainer skips the
+    #: model, data, checkpoint restore and loop there after ``setup``, then tears down
+    trains: bool
 
     def setup(self, run: Run) -> None: ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -74,7 +75,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: b
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        # Plain pickle bytes: torch's shared-memory queue reduction can hang once the
+        # sending process exits.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -113,7 +116,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                               f"{sorted(set(range(world_size)) - set(results))}")
                 break
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
     finally:

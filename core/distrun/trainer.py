@@ -80,6 +80,8 @@ class Trainer:
             _exit_on_error(exc, debug=config.debug)
         except BaseException as exc:
             pm.hook.distrun_on_exception(run=run, exc=exc)
+            if _is_collective_timeout(exc, run):
+                _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
             raise
         finally:
             _restore_handlers(previous)
@@ -96,6 +98,8 @@ class Trainer:
         from distrun.loop import setup_run
 
         setup_run(run)
+        if not getattr(run.strategy, "trains", True):
+            return  # this rank served the trainers during strategy.setup and is done
         if run.config.resume != "never":
             run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
             if run.resumed_from:
@@ -116,6 +120,19 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> None:
         raise exc
     print(f"error: {exc}", file=sys.stderr, flush=True)
     raise SystemExit(exc.exit_code)
+
+
+def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, TimeoutError)) and run.world_size > 1 \
+        and ("timed out" in text or "timeout" in text)
+
+
+def _timeout_message(run: Run) -> str:
+    return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
+            "are out of step (most often uneven inputs: one rank ran out of batches while the "
+            "others wait for it; pip install distrun-join, or give every rank the same number "
+            "of batches); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT")
 
 
 def _install_stop_handlers(run: Run) -> dict[int, Any]:

@@ -1,1 +1,3 @@
 """distrun-fsdp: FSDP2 (fully_shard) strategy for distrun."""
+
+__all__: list[str] = []

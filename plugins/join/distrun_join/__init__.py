@@ -1,1 +1,5 @@
-"""distrun-join: Join for uneven inputs across ranks."""
+"""distrun-join: uneven inputs across ranks finish instead of hanging."""
+
+__all__ = ["MODES"]
+
+from distrun_join.plugin import MODES

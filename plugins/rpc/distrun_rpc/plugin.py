@@ -1,1 +1,83 @@
-"""Entry point of distrun-rpc (torch-free at import)."""
+"""Entry point of distrun-rpc (torch-free at import): options, the ``rpc`` strategy, hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun import Option, StrategyInfo, hookimpl
+
+PLUGIN = "rpc"
+
+
+def _make_rpc(config: Any) -> Any:
+    from distrun_rpc.strategy import RpcStrategy
+
+    return RpcStrategy(config)
+
+
+def _strategy(run: Any) -> Any:
+    """This run's RpcStrategy on a trainer, else None (other strategies, server ranks)."""
+    st = run.extras.get("rpc")
+    return st if st is not None and st.trains else None
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option(name="rpc_servers", type=int, default=1, min=1, plugin=PLUGIN,
+                    help="parameter-server ranks (the last ones); the others train"))
+    register(Option(name="rpc_mode", type=str, default="sync", choices=("sync", "async"),
+                    plugin=PLUGIN,
+                    help="sync: distributed autograd + DistributedOptimizer; "
+                         "async: trainers push gradients, servers batch updates"))
+    register(Option(name="rpc_update_batch", type=int, default=0, min=0, plugin=PLUGIN,
+                    help="async: pushed gradients averaged per server update "
+                         "(0: the number of trainers)"))
+    register(Option(name="rpc_timeout", type=float, default=60.0, min=1, plugin=PLUGIN,
+                    help="seconds an RPC may take before the run fails"))
+
+
+@hookimpl
+def distrun_register_strategies(register):
+    register(StrategyInfo(PLUGIN, _make_rpc, plugin=PLUGIN,
+                          help="parameter servers + trainers over torch RPC (sync, async, "
+                               "RPC + DDP)"))
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    st = _strategy(run)
+    if st is not None:
+        st.barrier()  # a restored server state is in place before any trainer steps
+        st.refresh_local()
+
+
+@hookimpl(tryfirst=True)
+def distrun_on_fit_end(run):
+    st = _strategy(run)
+    if st is not None:
+        st.refresh_local()  # before other plugins look: run.model holds the final parameters
+
+
+@hookimpl
+def distrun_state_dict(run):
+    st = _strategy(run)
+    if st is None:
+        return None
+    st.refresh_local()
+    if st.dp_rank != 0:
+        return None
+    return {"rpc_servers": st.server_state()}
+
+
+@hookimpl
+def distrun_load_state_dict(run, state):
+    st = _strategy(run)
+    if st is not None and st.dp_rank == 0 and "rpc_servers" in state:
+        st.load_server_state(state["rpc_servers"])
+
+
+@hookimpl
+def distrun_on_exception(run, exc):
+    st = run.extras.get("rpc")
+    if st is not None:
+        st.failed = True

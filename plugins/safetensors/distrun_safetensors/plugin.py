@@ -1,1 +1,146 @@
-"""Entry point of distrun-safetensors (torch-free at import)."""
+"""Entry point of distrun-safetensors (torch-free at import): options, hooks, ``distrun ckpt``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from distrun import Option, hookimpl
+
+PLUGIN = "safetensors"
+_KEY = "safetensors"
+
+
+@hookimpl
+def distrun_register_options(register):
+    def opt(name: str, type: type, default: Any, help: str, **kw: Any) -> None:
+        register(Option(name=name, type=type, default=default, help=help, plugin=PLUGIN, **kw))
+
+    opt("ckpt_dir", str, "", "checkpoint folder (default: RUN_DIR/checkpoints)")
+    opt("ckpt_every_n_steps", int, 0, "save a checkpoint every N optimizer steps (0: off)", min=0)
+    opt("ckpt_every_n_seconds", float, 0.0,
+        "save when this many seconds passed since the last save (0: off)", min=0)
+    opt("ckpt_keep_last", int, 3, "keep the N newest checkpoints (0: keep all)", min=0)
+    opt("ckpt_save_on_end", bool, False, "save a checkpoint when training ends")
+    opt("ckpt_async", bool, False,
+        "copy tensors to CPU memory and write them in a background thread")
+    opt("ckpt_verify", bool, True, "verify checksums when loading (--no-ckpt-verify skips it)")
+    opt("ckpt_split_mb", float, 4.0,
+        "replicated tensors larger than this are split by rows across ranks when saved", min=0)
+
+
+def _checkpointer(run: Any) -> Any:
+    state = run.extras.get(_KEY)
+    if state is None:
+        from distrun_safetensors.save import Checkpointer
+
+        cfg = run.config
+        state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
+                             split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
+                             async_save=cfg.ckpt_async)
+        run.extras[_KEY] = state
+    return state
+
+
+def ckpt_dir(run: Any) -> str:
+    return run.config.get("ckpt_dir") or run.checkpoint_dir
+
+
+@hookimpl
+def distrun_save_checkpoint(run, reason):
+    saver = _checkpointer(run)
+    if reason == "preempt":
+        saver.async_save = False  # the process exits right after: write it now
+    info = {"strategy": getattr(run.strategy, "name", None),
+            "progress": run.progress.state_dict()}
+    path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
+                      run.state_dict(), reason=reason, info=info)
+    run.extras["_ckpt_last_time"] = time.monotonic()
+    if run.is_global_zero:
+        run.log.info("Checkpoint %s (%s)", path, reason)
+    return path
+
+
+@hookimpl
+def distrun_load_checkpoint(run, source):
+    from distrun_safetensors.load import load
+
+    saver = run.extras.get(_KEY)
+    if saver is not None:
+        saver.wait()
+    result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
+                  verify=run.config.get("ckpt_verify", True))
+    if result is None:
+        return None
+    run.load_state_dict(result.state)
+    return result.path
+
+
+@hookimpl
+def distrun_state_dict(run):
+    if run.lr_scheduler is not None and hasattr(run.lr_scheduler, "state_dict"):
+        return {"lr_scheduler": run.lr_scheduler.state_dict()}
+    return None
+
+
+@hookimpl
+def distrun_load_state_dict(run, state):
+    if "lr_scheduler" in state and run.lr_scheduler is not None:
+        run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    run.extras["_ckpt_last_time"] = time.monotonic()
+
+
+@hookimpl
+def distrun_on_step_end(run, step):
+    cfg = run.config
+    every = cfg.get("ckpt_every_n_steps", 0)
+    due = bool(every) and step % every == 0
+    seconds = cfg.get("ckpt_every_n_seconds", 0.0)
+    if seconds and not due:
+        due = _time_due(run, seconds)
+    if due:
+        run.save_checkpoint("step")
+
+
+def _time_due(run: Any, seconds: float) -> bool:
+    """Rank 0's clock decides for everyone (one tiny broadcast per step when enabled)."""
+    elapsed = time.monotonic() - run.extras.get("_ckpt_last_time", time.monotonic())
+    flag = elapsed >= seconds
+    if run.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=run.device)
+        dist.broadcast(t, src=0)
+        flag = bool(t.item())
+    return flag
+
+
+@hookimpl
+def distrun_on_fit_end(run):
+    if run.config.get("ckpt_save_on_end", False):
+        run.save_checkpoint("end")
+    saver = run.extras.get(_KEY)
+    if saver is not None:
+        saver.wait()
+
+
+@hookimpl
+def distrun_teardown(run):
+    saver = run.extras.get(_KEY)
+    if saver is not None:
+        try:
+            saver.wait()
+        except Exception as exc:  # teardown must not raise
+            run.log.error("checkpoint: the last async save failed: %s", exc)
+
+
+@hookimpl
+def distrun_add_commands(cli):
+    from distrun_safetensors.cli import ckpt
+
+    cli.add_command(ckpt)

@@ -1,1 +1,3 @@
-"""distrun-tp: Tensor parallel and 2D strategies for distrun."""
+"""distrun-tp: tensor-parallel strategy (and the tp half of fsdp x tp) for distrun."""
+
+__all__: list[str] = []

@@ -1,1 +1,108 @@
-"""Entry point of distrun-tp (torch-free at import)."""
+"""Entry point of distrun-tp: the ``tp`` strategy, ``tp_*`` options and the TP hooks.
+
+Torch-free at import. The ``distrun_setup_model`` implementation is plain (not trylast), so it
+runs before the core lets the strategy wrap the model: under ``--strategy fsdp --tp-size N``
+the model is parallelized over the mesh's ``"tp"`` dimension first, then sharded over ``"dp"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from distrun import Option, StrategyInfo, UsageError, hookimpl
+
+if TYPE_CHECKING:
+    from distrun.config import RunConfig
+    from distrun.strategy import Strategy
+
+
+def _make_tp(config: RunConfig) -> Strategy:
+    from distrun_tp.strategy import TPStrategy
+
+    return TPStrategy(config)
+
+
+@hookimpl
+def distrun_register_strategies(register):
+    register(StrategyInfo(
+        "tp", _make_tp, plugin="tp",
+        help="tensor parallel: layers split over ranks with parallelize_module (same data)",
+    ))
+
+
+@hookimpl
+def distrun_register_options(register):
+    def opt(name: str, type_: type, default: object, help_: str, **kw: object) -> None:
+        register(Option(name=name, type=type_, default=default, help=help_, plugin="tp", **kw))
+
+    opt("tp_size", int, 0, "tensor-parallel degree (0: every rank under --strategy tp, else 1); "
+        "with --strategy fsdp, a dp x tp mesh", min=0)
+    opt("tp_sequence_parallel", bool, False,
+        "automatic plan: also shard norms and activations along the sequence dim in blocks")
+    opt("tp_loss_parallel", bool, False,
+        "shard the output head's logits and compute cross-entropy on the shards")
+
+
+def _tp_mesh(run: Any) -> Any:
+    mesh = run.extras.get("device_mesh")
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["tp"]
+
+
+@hookimpl
+def distrun_setup_model(run):
+    tp_mesh = _tp_mesh(run)
+    wanted = int(run.config.tp_size or 0)
+    if tp_mesh is None:
+        if wanted > 1:
+            raise UsageError(
+                f"--tp-size {wanted} needs a strategy that builds a device mesh with a 'tp' "
+                f"dimension (--strategy tp, or --strategy fsdp for dp x tp); "
+                f"'{run.strategy.name}' does not"
+            )
+        return
+    if tp_mesh.size() == 1:
+        return
+    from distrun_tp.parallelize import parallelize
+
+    run.model = parallelize(run.model.to(run.device), tp_mesh, run.task, run.config, run.log,
+                            verbose=run.is_global_zero)
+    run.extras["tp_applied"] = True
+
+
+def _loss_parallel(run: Any) -> bool:
+    return bool(run.config.tp_loss_parallel) and run.extras.get("tp_applied", False)
+
+
+@hookimpl(wrapper=True)
+def distrun_training_step(run, batch):
+    if not _loss_parallel(run):
+        return (yield)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        loss = yield
+    # a replicated DTensor scalar: hand the loop a plain tensor (autograd goes through)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+@hookimpl(wrapper=True)
+def distrun_backward(run, loss):
+    if not _loss_parallel(run):
+        return (yield)
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return (yield)
+
+
+@hookimpl(wrapper=True)
+def distrun_run_validation(run):
+    if not _loss_parallel(run):
+        return (yield)
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return (yield)

@@ -1,1 +1,1 @@
-"""distrun-amp: Mixed precision for distrun."""
+"""distrun-amp: mixed precision (bf16 autocast; float16 with a GradScaler on CUDA)."""

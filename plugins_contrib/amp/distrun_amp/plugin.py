@@ -1,1 +1,83 @@
-"""Entry point of distrun-amp (torch-free at import)."""
+"""Entry point of distrun-amp: mixed precision through the step hooks (torch-free import).
+
+``--precision bf16-mixed`` runs each training step (and validation) under ``torch.autocast``
+in bfloat16, on CPU and CUDA. ``--precision 16-mixed`` uses float16 with a ``GradScaler`` on
+CUDA: it answers ``distrun_backward`` (scaled loss) and ``distrun_optimizer_step`` (unscale,
+clip, step, update) before the core, and its scaler state rides in checkpoints.
+"""
+
+from __future__ import annotations
+
+from distrun import Option, hookimpl
+
+_KEY = "amp"
+STATE_NAME = "amp_scaler"
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option("precision", str, "32-true", choices=("32-true", "bf16-mixed", "16-mixed"),
+                    plugin="amp",
+                    help="numeric precision: 32-true, bf16-mixed (autocast), 16-mixed "
+                         "(autocast + GradScaler, CUDA)"))
+
+
+@hookimpl
+def distrun_setup_strategy(run):
+    if run.config.get("precision", "32-true") == "32-true":
+        return
+    from distrun_amp.precision import MixedPrecision
+
+    run.extras[_KEY] = MixedPrecision(run.config.precision, run.device)
+
+
+@hookimpl(wrapper=True)
+def distrun_training_step(run, batch):
+    amp = run.extras.get(_KEY)
+    if amp is None:
+        return (yield)
+    with amp.autocast():
+        loss = yield
+    return amp.loss_to_float(loss)
+
+
+@hookimpl(wrapper=True)
+def distrun_run_validation(run):
+    amp = run.extras.get(_KEY)
+    if amp is None:
+        return (yield)
+    with amp.autocast():
+        return (yield)
+
+
+@hookimpl(tryfirst=True)
+def distrun_backward(run, loss):
+    amp = run.extras.get(_KEY)
+    if amp is None or amp.scaler is None:
+        return None
+    run.strategy.backward(amp.scaler.scale(loss))
+    return True
+
+
+@hookimpl(tryfirst=True)
+def distrun_optimizer_step(run):
+    amp = run.extras.get(_KEY)
+    if amp is None or amp.scaler is None:
+        return None
+    amp.scaled_step(run)
+    return True
+
+
+@hookimpl
+def distrun_state_dict(run):
+    amp = run.extras.get(_KEY)
+    if amp is None or amp.scaler is None:
+        return None
+    return {STATE_NAME: amp.scaler.state_dict()}
+
+
+@hookimpl
+def distrun_load_state_dict(run, state):
+    amp = run.extras.get(_KEY)
+    if amp is not None and amp.scaler is not None and STATE_NAME in state:
+        amp.scaler.load_state_dict(dict(state[STATE_NAME]))

@@ -1,1 +1,80 @@
-"""Entry point of distrun-progress (torch-free at import)."""
+"""Entry point of distrun-progress: a progress bar on rank 0 (torch-free at import).
+
+Under ``distrun run`` workers write into pipes, so the launcher hands rank 0 the path of its
+own terminal (``DISTRUN_PROGRESS_TTY``) when its stdout is one; the bar draws there. Without
+a terminal (CI logs, ``| tee``) the plugin prints a plain line every ``--progress-interval``
+seconds instead. Either way it mutes the core's console line for the run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from distrun import Option, hookimpl
+
+#: set by the launcher for the workers: the terminal rank 0 may draw the bar on
+TTY_ENV = "DISTRUN_PROGRESS_TTY"
+_KEY = "progress"
+_MUTE_KEY = "console.muted_by"  # distrun.console.MUTE_KEY
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option("progress", bool, True, plugin="progress",
+                    help="show progress on rank 0: a bar on a terminal, plain lines otherwise"))
+    register(Option("progress_mode", str, "auto", choices=("auto", "bar", "lines"),
+                    plugin="progress",
+                    help="'auto': a bar when stdout is a terminal, else lines"))
+    register(Option("progress_interval", float, 10.0, min=0, plugin="progress",
+                    help="seconds between plain progress lines (lines mode)"))
+
+
+@hookimpl(wrapper=True)
+def distrun_launch(config, command, environ):
+    # Any launcher's workers inherit `environ`: tell them which terminal the user watches.
+    if config.get("progress", True) and TTY_ENV not in environ:
+        try:
+            if sys.stdout.isatty():
+                environ[TTY_ENV] = os.ttyname(sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+    return (yield)
+
+
+@hookimpl(trylast=True)  # after the core's model summary, so the bar starts below it
+def distrun_on_fit_start(run):
+    if not run.is_global_zero or not run.config.get("progress", True):
+        return
+    from distrun_progress.display import make_display
+
+    run.extras[_KEY] = make_display(run)
+    run.extras[_MUTE_KEY] = "progress"
+
+
+@hookimpl
+def distrun_on_step_end(run, step, metrics):
+    display = run.extras.get(_KEY)
+    if display is not None:
+        display.on_step(run, step, metrics)
+
+
+@hookimpl
+def distrun_log_metrics(run, step, metrics):
+    display = run.extras.get(_KEY)
+    if display is not None:
+        display.on_metrics(run, step, metrics)
+
+
+@hookimpl
+def distrun_on_fit_end(run):
+    display = run.extras.get(_KEY)
+    if display is not None:
+        display.finish(run)
+
+
+@hookimpl
+def distrun_teardown(run):
+    display = run.extras.pop(_KEY, None)
+    if display is not None:
+        display.close()

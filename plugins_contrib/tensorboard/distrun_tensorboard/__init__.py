@@ -1,1 +1,1 @@
-"""distrun-tensorboard: TensorBoard logging for distrun."""
+"""distrun-tensorboard: TensorBoard event files of a run's metrics, written on rank 0."""

@@ -1,1 +1,54 @@
-"""Entry point of distrun-tensorboard (torch-free at import)."""
+"""Entry point of distrun-tensorboard: TensorBoard event files on rank 0 (torch-free import).
+
+Every ``distrun_log_metrics`` call becomes scalars (``loss``, ``lr``, ``samples_per_sec``,
+``epoch``, ``val_*``) at the global step, written with torch's ``SummaryWriter`` into
+``RUN_DIR/tensorboard`` (or ``--tensorboard-dir``). View with ``tensorboard --logdir runs``.
+"""
+
+from __future__ import annotations
+
+from distrun import Option, hookimpl
+
+_KEY = "tensorboard"
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option("tensorboard", bool, True, plugin="tensorboard",
+                    help="write TensorBoard event files on rank 0"))
+    register(Option("tensorboard_dir", str, "", plugin="tensorboard",
+                    help="event file folder (default: RUN_DIR/tensorboard)"))
+    register(Option("tensorboard_flush_secs", float, 30.0, min=0, plugin="tensorboard",
+                    help="seconds between flushes of the event file"))
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    if not run.is_global_zero or not run.config.get("tensorboard", True):
+        return
+    from distrun_tensorboard.writer import open_writer
+
+    run.extras[_KEY] = open_writer(run)
+
+
+@hookimpl
+def distrun_log_metrics(run, step, metrics):
+    writer = run.extras.get(_KEY)
+    if writer is not None:
+        for name, value in metrics.items():
+            if name != "step":
+                writer.add_scalar(name, float(value), global_step=step)
+
+
+@hookimpl
+def distrun_on_validation_end(run, step, metrics):
+    writer = run.extras.get(_KEY)
+    if writer is not None:
+        writer.flush()
+
+
+@hookimpl
+def distrun_teardown(run):
+    writer = run.extras.pop(_KEY, None)
+    if writer is not None:
+        writer.close()

@@ -1,1 +1,1 @@
-"""distrun-zero: ZeroRedundancyOptimizer for distrun."""
+"""distrun-zero: ZeroRedundancyOptimizer (optimizer state sharded over DDP ranks)."""

@@ -1,1 +1,41 @@
-"""Entry point of distrun-zero (torch-free at import)."""
+"""Entry point of distrun-zero: ZeroRedundancyOptimizer for DDP runs (torch-free at import)."""
+
+from __future__ import annotations
+
+from distrun import Option, hookimpl
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option(name="zero", type=bool, default=False, plugin="zero",
+                    help="shard the optimizer state across data-parallel ranks "
+                         "(ZeroRedundancyOptimizer; needs --strategy ddp)"))
+    register(Option(name="zero_bucket_view", type=bool, default=False, plugin="zero",
+                    help="ZeRO: pack parameters into contiguous buckets per rank "
+                         "(faster broadcasts, one extra copy of the parameters)"))
+
+
+@hookimpl(trylast=True)
+def distrun_setup_optimizer(run):
+    # trylast: after the core built the task's optimizer and the strategy wrapped it.
+    if run.config.zero:
+        from distrun_zero.zero import shard_optimizer
+
+        shard_optimizer(run)
+
+
+@hookimpl
+def distrun_state_dict(run):
+    if run.config.zero:
+        from distrun_zero.zero import layout
+
+        return {"zero": layout(run)}
+    return None
+
+
+@hookimpl
+def distrun_load_state_dict(run, state):
+    if run.config.zero and "zero" in state:
+        from distrun_zero.zero import check_layout
+
+        check_layout(run, state["zero"])

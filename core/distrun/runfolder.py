@@ -1,0 +1,78 @@
+"""The run folder ``runs/<name>/``: the resolved config, per-rank logs, metrics, checkpoints.
+
+``--name`` and ``--run-dir`` choose it. The launcher of node 0 (or rank 0 of a run started
+without ``distrun run``) writes ``config.toml``: every option with the source of its value,
+loadable again with ``--config``. The local launcher appends each
+worker's output to ``logs/rank<N>.log``; ``metrics.csv`` comes from :mod:`distrun.csv_logger`
+and checkpoints go to ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from distrun.markers import hookimpl
+
+__all__ = ["CONFIG_FILE", "LOG_DIR", "value_sources", "write_config"]
+
+CONFIG_FILE = "config.toml"
+LOG_DIR = "logs"
+
+
+def value_sources(config: Any) -> dict[str, str]:
+    """Where each value came from: the launcher's record beats the worker's "launcher" label."""
+    from distrun.config import CONFIG_ENV
+
+    sources = dict(config.sources)
+    raw = os.environ.get(CONFIG_ENV)
+    if raw:
+        try:
+            launcher = json.loads(raw).get("sources", {})
+        except ValueError:
+            launcher = {}
+        for name, source in launcher.items():
+            if sources.get(name) in (None, "launcher"):
+                sources[name] = source
+    return sources
+
+
+def write_config(config: Any, path: str) -> None:
+    """Write ``config`` as TOML with sources to ``path`` (atomically)."""
+    from distrun.configcmd import render_toml
+    from distrun.plugins import get_plugin_manager
+    from distrun.registry import collect_options
+
+    options = collect_options(get_plugin_manager())
+    command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    header = (f"Resolved config of run {config.name!r}, written "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
+              f"Each value's source follows it. Load again with "
+              f"`distrun run --config {path} ...`.")
+    text = render_toml(options, config.as_dict(), value_sources(config), header=header)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+@hookimpl(wrapper=True)
+def distrun_launch(config, command, environ):
+    # The launcher knows every value's source, and runs for torchrun scripts too.
+    if config.node_rank == 0 and config.run_dir:
+        write_config(config, os.path.join(config.run_dir, CONFIG_FILE))
+    return (yield)
+
+
+@hookimpl
+def distrun_configure(config):
+    from distrun.config import CONFIG_ENV
+
+    # Only a run started without `distrun run` (python train.py) writes it from a worker.
+    if CONFIG_ENV in os.environ or int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
+        return
+    write_config(config, os.path.join(config.run_dir, CONFIG_FILE))

@@ -1,0 +1,249 @@
+"""Run this node's workers under torch.distributed.elastic's agent (imports torch).
+
+This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler, worker spec,
+``LocalElasticAgent``) with three changes a subclass of the agent makes:
+
+- when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
+  SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
+  inside a step) is therefore killed promptly;
+- a worker that exits with :data:`distrun.run.EXIT_REQUEUE` (it saved a preemption checkpoint)
+  or with a usage error (2) ends the run instead of being restarted;
+- the first failure's rank and last lines are kept, so it is reported once.
+
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is always set: with the rendezvous store shared with
+the workers, restarted workers read the previous attempt's keys and try to reach dead peers
+(pytorch/pytorch#167288; on torch 2.13 a restart after a SIGKILL fails most times without it).
+Each attempt's workers then build their own store on a fresh port chosen by rendezvous rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from distrun.errors import DistrunError
+from distrun.launcher import report_failure
+from distrun.run import EXIT_REQUEUE
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousError,
+    RendezvousGracefulExitError,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from distrun_elastic.relay import Relay
+from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
+
+__all__ = ["launch_elastic"]
+
+_USAGE_ERROR = 2
+#: signals the launcher forwards to the workers (SIGUSR1: SLURM's --signal warning)
+_FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+#: phrases of a rank that failed because a peer died first (not the root cause)
+_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _say(message: str) -> None:
+    print(f"distrun: {message}", file=sys.stderr, flush=True)
+
+
+class RelayLogsSpecs(DefaultLogsSpecs):
+    """Workers write into per-attempt files; the relay follows them (rank-prefixed on --tee)."""
+
+    def __init__(self, relay: Relay, log_dir: str) -> None:
+        super().__init__(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)
+        self.relay = relay
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+        dest = super().reify(envs)
+        self.relay.next_attempt({
+            int(env["RANK"]): (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
+            for lr, env in envs.items()
+        })
+        return dest
+
+
+class DistrunAgent(LocalElasticAgent):
+    """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
+
+    def __init__(self, *args: Any, relay: Relay, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.relay = relay
+        #: (global rank, return code) of the worker that failed first in the current attempt
+        self.root_cause: tuple[int, int] | None = None
+        self.restarts = 0
+
+    def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+        self.root_cause = None
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: Any) -> RunResult:
+        self._stop_siblings_of_failure(worker_group)
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.root_cause:
+            rank, code = self.root_cause
+            if code in (EXIT_REQUEUE, _USAGE_ERROR):
+                self._remaining_restarts = 0
+            elif self._remaining_restarts > 0:
+                self.restarts += 1
+                spec = worker_group.spec
+                _say(f"rank {rank} exited with code {_exit_code(code)}; restarting the workers "
+                     f"from the latest checkpoint (restart {self.restarts} of "
+                     f"{spec.max_restarts})")
+        return result
+
+    def _stop_siblings_of_failure(self, worker_group: Any) -> None:
+        pcontext = self._pcontext
+        handlers = getattr(pcontext, "subprocess_handlers", None)
+        if not handlers or self.root_cause is not None:
+            return
+        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        failed = [(lr, c) for lr, c in codes.items() if c not in (None, 0)]
+        if not failed:
+            return
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        stderrs = getattr(pcontext, "stderrs", {}) or {}
+
+        def secondary(lr: int) -> bool:
+            # Several ranks may have exited between two polls: prefer one that did not merely
+            # lose a peer (its own log is complete once it has exited).
+            text = _file_tail(stderrs.get(lr, ""))
+            return any(p in text for p in _SECONDARY)
+
+        lr, code = min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), ranks.get(f[0], 0)))
+        self.root_cause = (ranks.get(lr, lr), code)
+        # A requeue exit means a checkpoint was committed: the others are finishing the same.
+        grace = float(self._shutdown_timeout) if code == EXIT_REQUEUE else RESTART_GRACE
+        alive = [h.proc for h in handlers.values() if h.proc.poll() is None]
+        _signal(alive, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
+
+
+def _file_tail(path: str, nbytes: int = 8192) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - nbytes))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _signal(procs: list[Any], signum: int) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _quiet_torch_logs(debug: bool) -> None:
+    """torch's agent logs every step of its work; distrun says what matters in its own lines."""
+    if debug or os.environ.get("LOGLEVEL"):
+        return
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
+    # The agent's workers inherit this process's environment (torch's SubprocessHandler).
+    os.environ.update(environ)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _FORWARDED
+    if plan.nproc_per_node > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str]) -> int:
+    """Run the workers of this node under the elastic agent; the exit code of the run."""
+    _prepare_environ(plan, environ)
+    _quiet_torch_logs(plan.debug)
+    configs = {"timeout": 900, **plan.rdzv_configs}
+    params = RendezvousParameters(
+        backend=plan.rdzv_backend, endpoint=plan.rdzv_endpoint, run_id=plan.run_id,
+        min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, local_addr=plan.local_addr,
+        **configs,
+    )
+    master_addr = master_port = None
+    if plan.rdzv_backend == "static":
+        master_addr, master_port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=-1)
+    try:
+        handler = rdzv_registry.get_rendezvous_handler(params)
+    except (RendezvousError, ValueError, RuntimeError) as exc:
+        raise DistrunError(f"cannot reach the rendezvous at {plan.rdzv_endpoint}: {exc} "
+                           "(check --rdzv-endpoint; the node at HOST must be started)") from None
+    spec = WorkerSpec(
+        role="default", local_world_size=plan.nproc_per_node, entrypoint=command[0],
+        args=tuple(command[1:]), rdzv_handler=handler, max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval, master_addr=master_addr,
+        master_port=master_port, local_addr=plan.local_addr,
+    )
+    relay = Relay(tee=plan.tee)
+    stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir),
+                         start_method="spawn", shutdown_timeout=stop_grace, relay=relay)
+    _quiet_torch_logs(plan.debug)
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        # Keep the rendezvous open: a relaunch (requeue) or the other nodes may go on.
+        shutdown_rdzv = False
+        relay.close()
+        sig = exc.sigval
+        if sig in (signal.SIGTERM, signal.SIGUSR1):
+            _say(f"{sig.name}: the workers saved a checkpoint and stopped; exit "
+                 f"{EXIT_REQUEUE} (requeue)")
+            return EXIT_REQUEUE
+        return 128 + int(sig)
+    except RendezvousGracefulExitError:
+        return 0
+    except RendezvousError as exc:
+        raise DistrunError(f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} failed: {exc}") \
+            from None
+    finally:
+        relay.close()
+        if shutdown_rdzv:
+            try:
+                handler.shutdown()
+            except Exception:  # noqa: BLE001 - the run's result matters more than this
+                pass
+    if result is None or not result.is_failed():
+        return 0
+    return _report(agent, result, relay)
+
+
+def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
+    if agent.root_cause is not None:
+        rank, returncode = agent.root_cause
+    else:
+        first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+        rank, returncode = first[0], first[1].exitcode
+    code = _exit_code(returncode)
+    if code == EXIT_REQUEUE:
+        _say(f"the workers saved a checkpoint and stopped; exit {EXIT_REQUEUE} (requeue)")
+        return code
+    tail = relay.tails.get(rank)
+    if agent.restarts:
+        _say(f"no restarts left ({agent.restarts} used)")
+    if tail is not None:
+        report_failure(tail, code)
+    else:
+        _say(f"rank {rank} failed with exit code {code}")
+    return code

@@ -1,0 +1,168 @@
+"""What an elastic launch needs, worked out from the run config (torch-free).
+
+The choices made here:
+
+- the plugin answers ``distrun_launch`` when the config asks for elasticity: ``--max-restarts``
+  above 0, a node range ``--nnodes MIN:MAX`` or a rendezvous endpoint;
+- a single-node run rendezvous on ``127.0.0.1`` (a free port), and so does a run whose endpoint
+  is a loopback address; otherwise torch uses this host's name;
+- every start of the workers, first or restarted, resumes from the newest valid checkpoint: the
+  launcher writes ``resume = "auto"`` into the values workers inherit (unless the user chose
+  ``--resume`` themselves). Workers never look at ``TORCHELASTIC_RESTART_COUNT``: it counts the
+  restarts of *this* node only, so nodes would disagree about whether to resume;
+- with ``--rdzv-id`` and no ``--name``, the run is named after the rendezvous id so that every
+  node (and every relaunch) shares one run folder and one checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrun.config import CONFIG_ENV, RunConfig, with_values
+from distrun.errors import UsageError
+
+__all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "wants_elastic"]
+
+#: seconds the siblings of a failed worker get to exit before SIGKILL, when restarting
+RESTART_GRACE = 5.0
+_DEFAULT_NAME = re.compile(r".+-\d{8}-\d{6}")
+
+
+def wants_elastic(config: RunConfig) -> bool:
+    """True when the config asks for the elastic agent."""
+    lo, hi = _node_range(config.nnodes)
+    return (config.get("max_restarts", 0) or 0) > 0 or lo != hi or bool(
+        config.get("rdzv_endpoint", "")
+    )
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """Everything :func:`distrun_elastic.agent.launch_elastic` hands to torch's agent."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    run_id: str
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    monitor_interval: float = 0.1
+    local_addr: str | None = None
+    log_dir: str = ""
+    tee: bool = False
+    debug: bool = False
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    parts = nnodes.split(":")
+    lo = int(parts[0])
+    return lo, int(parts[-1])
+
+
+def parse_rdzv_conf(text: str) -> dict[str, Any]:
+    """``"last_call_timeout=5,is_host=true"`` -> a dict (torchrun's ``--rdzv-conf`` format)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(
+                f"invalid value for --rdzv-conf: {item!r} is not KEY=VALUE "
+                "(example: --rdzv-conf last_call_timeout=5,join_timeout=600)"
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return endpoint, ""
+    return host.strip("[]"), port
+
+
+def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, RunConfig]:
+    """The launch plan and the config workers get (resume, run name); updates ``environ``."""
+    from distrun.launcher import resolve_nproc
+
+    lo, hi = _node_range(config.nnodes)
+    backend = config.rdzv_backend
+    endpoint = config.rdzv_endpoint.strip()
+    conf = parse_rdzv_conf(config.rdzv_conf)
+    if backend == "static":
+        if lo != hi:
+            raise UsageError(f"--nnodes {config.nnodes}: a node range needs a dynamic rendezvous "
+                             "(use --rdzv-backend c10d)")
+        if not endpoint:
+            if hi > 1 and config.master_port == 0:
+                raise UsageError("--rdzv-backend static with several nodes needs --master-port "
+                                 "(or --rdzv-endpoint HOST:PORT), the same on every node")
+            port = config.master_port or _free_port()
+            endpoint = f"{config.master_addr}:{port}"
+        conf.setdefault("rank", str(config.node_rank))
+    elif not endpoint:
+        if hi > 1:
+            raise UsageError(
+                f"--nnodes {config.nnodes} needs --rdzv-endpoint HOST:PORT: the address every "
+                "node can reach (the node at HOST hosts the rendezvous)"
+            )
+        endpoint = "127.0.0.1:0"
+    host, _ = _split_endpoint(endpoint)
+    local_addr = "127.0.0.1" if hi == 1 or _is_loopback(host) else None
+
+    explicit_name = not _is_default_name(config)
+    run_id = config.rdzv_id or (config.name if explicit_name else "")
+    if not run_id:
+        if hi > 1:
+            raise UsageError(
+                f"--nnodes {config.nnodes} needs --rdzv-id ID (or --name): the same on every "
+                "node, so the nodes find each other and share one run folder"
+            )
+        run_id = uuid.uuid4().hex[:12]
+    updates: dict[str, Any] = {}
+    if config.rdzv_id and not explicit_name:
+        updates.update(name=config.rdzv_id, run_dir=os.path.join("runs", config.rdzv_id))
+    if "resume" not in config.sources:
+        updates["resume"] = "auto"
+    if updates:
+        config = with_values(config, source="elastic", **updates)
+    environ[CONFIG_ENV] = config.to_json()
+    plan = ElasticPlan(
+        min_nodes=lo, max_nodes=hi, nproc_per_node=resolve_nproc(config.nproc_per_node),
+        max_restarts=config.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,
+        run_id=run_id, rdzv_configs=conf, monitor_interval=config.monitor_interval,
+        local_addr=local_addr, log_dir=os.path.join(config.run_dir, "logs"), tee=config.tee,
+        debug=config.debug,
+    )
+    return plan, config
+
+
+def _is_default_name(config: RunConfig) -> bool:
+    """True when the core named the run (``STEM-YYYYmmdd-HHMMSS``), not the user.
+
+    The core's launcher records its filled-in name with the same provenance as a flag, so the
+    name's shape is what tells them apart.
+    """
+    return bool(_DEFAULT_NAME.fullmatch(config.name)) and \
+        config.run_dir == os.path.join("runs", config.name)
+
+
+def _free_port() -> int:
+    from distrun.launcher import free_port
+
+    return free_port("127.0.0.1")

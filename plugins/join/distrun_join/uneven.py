@@ -1,0 +1,177 @@
+"""Run one epoch whose ranks may hold different numbers of batches.
+
+Two ways, chosen per epoch by :func:`choose_mode`:
+
+- ``join``: torch's ``Join`` context with every ``Joinable`` of the run (the DDP model, a
+  ZeroRedundancyOptimizer, anything in ``run.extras["joinables"]``). A rank that runs out
+  shadows the others' collectives until all are done; then the ranks agree again on the
+  parameters (DDP's post-hook), the optimizer and scheduler state, and the step counters.
+- ``agree``: the ranks agree on the epoch's length before using a batch (an all-reduce MIN of
+  ``len()`` once, or of a have-a-batch flag per batch for iterables without a length), so every
+  collective of every step is matched; the batches beyond the smallest rank's count are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distrun import DistrunError
+from distrun.config import with_values
+from distrun.run import Run
+from torch.distributed.algorithms.join import Join, Joinable
+
+__all__ = ["Lockstep", "choose_mode", "joinables", "uneven_epoch"]
+
+log = logging.getLogger("distrun")
+
+#: a log cadence no epoch reaches: under Join the loop's in-epoch metric all-reduce would not
+#: be matched by a rank that already joined, so metrics are reduced after the epoch instead
+_NEVER = 2**62
+
+
+def joinables(run: Run) -> list[Any]:
+    """The run's ``Joinable`` objects: model and optimizer first, then other plugins' ones."""
+    found = [obj for obj in (run.model, run.optimizer) if isinstance(obj, Joinable)]
+    found += [obj for obj in run.extras.get("joinables", ()) if obj not in found]
+    return found
+
+
+def choose_mode(run: Run) -> str:
+    """``join``, ``agree`` or ``off`` for this epoch of ``run``."""
+    mode = run.config.join_mode
+    if mode == "off" or run.world_size < 2 or not dist.is_initialized():
+        return "off"
+    if mode == "auto":
+        if run.sampler is not None:
+            return "off"  # the core's sampler gives every rank the same number of batches
+        return "join" if joinables(run) else "agree"
+    if mode == "join" and not joinables(run):
+        raise DistrunError(
+            f"--join-mode join needs a joinable model or optimizer, and strategy "
+            f"'{run.strategy.name}' has none (use --join-mode agree, or --strategy ddp)")
+    return mode
+
+
+@contextlib.contextmanager
+def uneven_epoch(run: Run, epoch: int) -> Iterator[None]:
+    """Around the core's epoch: Join, lockstep batches, or nothing (see :func:`choose_mode`)."""
+    mode = choose_mode(run)
+    if mode == "join":
+        with _joined(run, epoch):
+            yield
+    elif mode == "agree":
+        loader = run.train_loader
+        run.train_loader = Lockstep(loader, run.strategy)
+        try:
+            yield
+        finally:
+            run.train_loader = loader
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _joined(run: Run, epoch: int) -> Iterator[None]:
+    cfg = run.config
+    found = joinables(run)
+    if not run.extras.get("_join_said"):
+        run.extras["_join_said"] = True
+        log.info("join: epochs run inside torch's Join with %s; metrics are reduced at the end "
+                 "of each epoch", ", ".join(type(j).__name__ for j in found))
+    # In-epoch collectives the core runs on its own (metric logging, step validation) have no
+    # join hook: postpone them to the end of the epoch, when every rank is back in step.
+    run.config = with_values(cfg, source="join", log_every_n_steps=_NEVER, val_every_n_steps=0)
+    join = Join(found, throw_on_early_termination=cfg.join_throw_on_early_termination,
+                divide_by_initial_world_size=cfg.join_divide_by_initial_world_size)
+    try:
+        with join:
+            yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "exhausted all inputs" in text or "exhausted inputs" in text:
+            who = "this rank" if text.startswith("Rank") else "another rank"
+            raise DistrunError(
+                f"rank {run.rank}: {who} ran out of batches in epoch {epoch} at step "
+                f"{run.progress.step} while other ranks had more, and "
+                "join_throw_on_early_termination is on (turn it off to let ranks join, or "
+                "give every rank the same number of batches)") from exc
+        raise
+    finally:
+        run.config = cfg
+    _resync(run, found)
+
+
+def _resync(run: Run, found: list[Any]) -> None:
+    """After Join: step counters to the group's, optimizer/scheduler state from the last joiner."""
+    device = run.strategy.device
+    steps = torch.zeros(run.world_size, 2, dtype=torch.int64, device=device)
+    steps[run.rank, 0] = run.progress.step
+    steps[run.rank, 1] = run.progress.micro_step
+    dist.all_reduce(steps)
+    last = int(torch.argmax(steps[:, 1]).item())  # the rank that trained longest
+    run.progress.step = int(steps[last, 0])
+    run.progress.micro_step = int(steps[last, 1])
+    if steps[:, 1].min() == steps[:, 1].max():
+        return
+    states: list[Any] = [None, None]
+    if run.rank == last:
+        optim_sd = None if run.optimizer in found or run.optimizer is None \
+            else _to_cpu(run.optimizer.state_dict())
+        sched = run.lr_scheduler
+        sched_sd = sched.state_dict() if sched is not None and hasattr(sched, "state_dict") \
+            else None
+        states = [optim_sd, sched_sd]
+    dist.broadcast_object_list(states, src=last)
+    if run.rank != last:
+        if states[0] is not None:
+            run.optimizer.load_state_dict(states[0])
+        if states[1] is not None:
+            run.lr_scheduler.load_state_dict(states[1])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+class Lockstep:
+    """An iterable that stops on every rank as soon as one rank's ``data`` is exhausted."""
+
+    def __init__(self, data: Iterable[Any], strategy: Any) -> None:
+        self.data = data
+        self.strategy = strategy
+
+    def _min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.strategy.device)
+        self.strategy.all_reduce(t, "min")
+        return int(t.item())
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            n = len(self.data)  # type: ignore[arg-type]
+        except TypeError:
+            n = None
+        # Whether lengths are known must be agreed too, or the ranks' collectives differ.
+        if self._min(0 if n is None else 1) == 1:
+            yield from itertools.islice(self.data, self._min(n))  # type: ignore[arg-type]
+            return
+        it = iter(self.data)
+        while True:
+            try:
+                batch, have = next(it), 1
+            except StopIteration:
+                batch, have = None, 0
+            if self._min(have) == 0:
+                return
+            yield batch

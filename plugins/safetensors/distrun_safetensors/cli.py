@@ -1,0 +1,168 @@
+"""``distrun ckpt inspect | verify | consolidate | ls``. Torch-free except ``consolidate``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from typing import Any
+
+import click
+
+from distrun_safetensors.files import DTYPE_SIZES, CheckpointError
+from distrun_safetensors.manifest import (
+    MODEL_INDEX,
+    candidates,
+    is_checkpoint_folder,
+    read_latest,
+    step_folders,
+    validate,
+)
+
+__all__ = ["ckpt"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2e9, '512MiB' -> 512 * 2**20, '1000' -> 1000 bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 2GB, 500MB, 1GiB)")
+    base = 1024 if m.group(3) else 1000
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * base ** power)
+
+
+def _folder(path: str) -> str:
+    """A checkpoint folder: PATH itself, or what ``latest`` (or the newest) names in PATH."""
+    if is_checkpoint_folder(path):
+        return path
+    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.exists(
+            os.path.join(path, "latest")):
+        path = os.path.join(path, "checkpoints")
+    folders, _ = candidates(path)
+    if not folders:
+        raise CheckpointError(f"no checkpoint in {path}")
+    return folders[0]
+
+
+@click.group("ckpt")
+def ckpt() -> None:
+    """Inspect, verify, list and consolidate distrun-safetensors checkpoints."""
+
+
+@ckpt.command("inspect")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """Step, layout and every tensor (dtype, shape, size, pieces) of a checkpoint."""
+    c = validate(_folder(path), verify=False)
+    m = c.manifest
+    if as_json:
+        click.echo(json.dumps({"folder": c.folder, "manifest": m, "model": c.model,
+                               "optimizer": c.optim}, indent=1))
+        return
+    when = datetime.datetime.fromtimestamp(m.get("committed_at", 0)).isoformat(timespec="seconds")
+    total = sum(f["size"] for f in m["files"].values())
+    click.echo(f"checkpoint {c.folder}")
+    click.echo(f"  step {m['step']}  reason {m.get('reason')}  saved {when}")
+    click.echo(f"  saved by {m['world_size']} rank(s), strategy {m.get('strategy')}, "
+               f"meshes {m.get('meshes') or 'none'}")
+    click.echo(f"  {len(m['files'])} files, {_human(total)}")
+    for title, tensors in (("model", c.model), ("optimizer state", c.optim)):
+        if not tensors:
+            continue
+        size = sum(_nbytes(i) for i in tensors.values())
+        click.echo(f"{title}: {len(tensors)} tensors, {_human(size)}")
+        width = max(len(n) for n in tensors)
+        for name, info in tensors.items():
+            click.echo(f"  {name:<{width}}  {info['dtype']:<5} {str(info['shape']):<16} "
+                       f"{_human(_nbytes(info)):>10}  {len(info['pieces'])} piece(s)  "
+                       f"{info.get('layout', '')}")
+
+
+def _nbytes(info: dict[str, Any]) -> int:
+    n = DTYPE_SIZES[info["dtype"]]
+    for d in info["shape"]:
+        n *= d
+    return n
+
+
+@ckpt.command("verify")
+@click.argument("path", type=click.Path(exists=True))
+def verify_cmd(path: str) -> None:
+    """Check completeness, headers and every file's CRC-32 (a folder, or all in a dir)."""
+    if is_checkpoint_folder(path):
+        folders = [path]
+    else:
+        folders, notes = candidates(path)
+        for note in notes:
+            click.echo(f"warning: {note}")
+        if not folders:
+            raise CheckpointError(f"no checkpoint in {path}")
+    bad = 0
+    for folder in folders:
+        try:
+            c = validate(folder, verify=True)
+        except CheckpointError as exc:
+            bad += 1
+            click.echo(f"BAD {folder}: {exc}")
+            continue
+        total = sum(f["size"] for f in c.manifest["files"].values())
+        click.echo(f"OK  {folder}: step {c.step}, {len(c.manifest['files'])} files, "
+                   f"{_human(total)} verified")
+    if bad:
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoint(s) failed verification")
+
+
+@ckpt.command("ls")
+@click.argument("directory", type=click.Path(exists=True), default=".")
+def ls_cmd(directory: str) -> None:
+    """List the checkpoints of a checkpoint folder (or a run folder), newest first."""
+    if os.path.isdir(os.path.join(directory, "checkpoints")) and not step_folders(directory):
+        directory = os.path.join(directory, "checkpoints")
+    latest, problem = read_latest(directory)
+    folders = step_folders(directory)
+    if not folders:
+        click.echo(f"no checkpoints in {directory}")
+        return
+    for folder in folders:
+        mark = "*" if latest and os.path.samefile(latest, folder) else " "
+        try:
+            c = validate(folder, verify=False)
+            m = c.manifest
+            when = datetime.datetime.fromtimestamp(m.get("committed_at", 0)).isoformat(
+                timespec="seconds")
+            size = sum(f["size"] for f in m["files"].values())
+            click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
+                       f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}")
+        except CheckpointError as exc:
+            click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
+    if problem:
+        click.echo(f"warning: {problem}")
+
+
+@ckpt.command("consolidate")
+@click.argument("path", type=click.Path(exists=True))
+@click.argument("out", type=click.Path())
+@click.option("--max-shard-size", default="2GB", show_default=True,
+              help="largest output file (e.g. 500MB, 2GB, 1GiB)")
+def consolidate_cmd(path: str, out: str, max_shard_size: str) -> None:
+    """Write the model as a standard Hugging Face sharded safetensors folder.
+
+    Streams one tensor at a time: memory stays near the largest tensor.
+    """
+    from distrun_safetensors.consolidate import consolidate
+
+    index = consolidate(_folder(path), out, parse_size(max_shard_size))
+    n = len(set(index["weight_map"].values()))
+    click.echo(f"wrote {out}: {len(index['weight_map'])} tensors in {n} file(s), "
+               f"{_human(index['metadata']['total_size'])}, index {MODEL_INDEX}")

@@ -1,0 +1,218 @@
+"""Safetensors files, strictly: a streaming writer with a running CRC-32 and a header reader.
+
+Torch-free (``distrun ckpt inspect/verify`` use it without importing torch). The writer takes
+byte buffers, so peak extra memory while writing is one tensor, never the whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from distrun.errors import UsageError
+
+__all__ = ["DTYPE_SIZES", "CheckpointError", "crc32_file", "fsync_dir", "member",
+           "read_header", "write_json", "write_safetensors"]
+
+#: bytes per element of each safetensors dtype name
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
+}
+#: safetensors' own limit on the JSON header
+HEADER_LIMIT = 100 * 1024 * 1024
+_CHUNK = 16 * 1024 * 1024
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class CheckpointError(UsageError):
+    """A checkpoint is missing, torn, corrupted or does not fit the model (exit code 2)."""
+
+
+# -- test hook: die at the k-th durable event of a save (kill -9 tests only) ----------------
+
+_events = 0
+
+
+def kill_point(what: str) -> None:
+    """SIGKILL this process at the k-th event when ``DISTRUN_CKPT_TEST_KILL_AT=k[@rank]``."""
+    spec = os.environ.get("DISTRUN_CKPT_TEST_KILL_AT")
+    if not spec:
+        return
+    at, _, rank = spec.partition("@")
+    if rank and rank != os.environ.get("RANK", "0"):
+        return
+    global _events
+    _events += 1
+    if _events == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- paths -------------------------------------------------------------------------------------
+
+
+def member(folder: str, name: Any) -> str:
+    """The path of file ``name`` inside ``folder``; refuse anything that could leave it."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise CheckpointError(
+            f"{folder}: file name {name!r} in the checkpoint is not a plain file name inside "
+            "the folder (refusing to read outside the checkpoint)")
+    path = os.path.join(folder, name)
+    real_folder = os.path.realpath(folder)
+    if os.path.dirname(os.path.realpath(path)) != real_folder:
+        raise CheckpointError(
+            f"{path} is a link that leaves the checkpoint folder (refusing to read it)")
+    return path
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def crc32_file(path: str) -> str:
+    """CRC-32 (zlib's polynomial) of a whole file, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def write_json(path: str, obj: Any) -> dict[str, Any]:
+    """Write ``obj`` as JSON and fsync it; return its ``{"size", "crc32"}`` report."""
+    data = json.dumps(obj, indent=1, sort_keys=False).encode()
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    kill_point(path)
+    return {"size": len(data), "crc32": f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"}
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+def _header_bytes(entries: list[tuple[str, str, list[int], int]],
+                  metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, dtype, shape, nbytes in entries:
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+    return raw, [offset]
+
+
+def write_safetensors(path: str, entries: list[tuple[str, str, list[int], int]],
+                      buffers: Iterable[Callable[[], memoryview]],
+                      metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Stream tensors into a safetensors file and fsync it.
+
+    ``entries`` are ``(key, dtype, shape, nbytes)`` in file order; ``buffers`` yields, in the
+    same order, callables that return each tensor's raw bytes (called one at a time, so only
+    one tensor's staging copy is alive). The CRC-32 runs in a helper thread alongside the
+    writes. Returns ``{"size", "crc32", "tensors": {key: [begin, end]}}``.
+    """
+    header, _ = _header_bytes(entries, metadata or {})
+    crc = zlib.crc32(struct.pack("<Q", len(header)))
+    crc = zlib.crc32(header, crc)
+    written = 8 + len(header)
+    with open(path, "wb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
+        fh.write(struct.pack("<Q", len(header)))
+        fh.write(header)
+        for (key, _dtype, _shape, nbytes), get in zip(entries, buffers, strict=False):
+            buf = get()
+            if buf.nbytes != nbytes:
+                raise RuntimeError(f"{path}: tensor {key} has {buf.nbytes} bytes, not {nbytes}")
+            pending = pool.submit(zlib.crc32, buf, crc)
+            view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+            pos = 0
+            while pos < nbytes:
+                pos += fh.write(view[pos:pos + (1 << 30)])
+            crc = pending.result()
+            written += nbytes
+        os.fsync(fh.fileno())
+    kill_point(path)
+    return {"size": written, "crc32": f"{crc & 0xFFFFFFFF:08x}"}
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def read_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Parse and check a safetensors header: ``({key: {dtype, shape, data_offsets}}, metadata)``.
+
+    Every failure is a :class:`CheckpointError` naming ``path``: a header length beyond the
+    file, a header that is not a JSON object, unknown dtypes, offsets that disagree with the
+    shapes or leave holes, a data section of the wrong length.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated (shorter than the 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > HEADER_LIMIT or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: header length {n} is larger than the file ({size} bytes): "
+                    "truncated or not a safetensors file")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path}: header is not valid JSON (corrupted file)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object (corrupted file)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
+    spans = []
+    for key, info in header.items():
+        ok = (isinstance(info, dict) and info.get("dtype") in DTYPE_SIZES
+              and isinstance(info.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+              and all(isinstance(o, int) for o in info["data_offsets"]))
+        if not ok:
+            raise CheckpointError(f"{path}: header entry {key!r} is malformed")
+        begin, end = info["data_offsets"]
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        if end - begin != numel * DTYPE_SIZES[info["dtype"]]:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} has {end - begin} bytes but its dtype and shape "
+                f"need {numel * DTYPE_SIZES[info['dtype']]}")
+        spans.append((begin, end, key))
+    spans.sort()
+    pos = 0
+    for begin, end, key in spans:
+        if begin != pos:
+            raise CheckpointError(f"{path}: tensor {key!r} does not start where the previous "
+                                  "one ends (overlapping or holed data)")
+        pos = end
+    if 8 + n + pos != size:
+        raise CheckpointError(
+            f"{path}: data section is {size - 8 - n} bytes but the header describes {pos} "
+            "(truncated or padded file)")
+    return header, metadata

@@ -1,0 +1,263 @@
+"""Loading: find a valid checkpoint, check it fits, then each rank reads only its byte ranges.
+
+All checks (manifest, indexes, headers, checksums, model fit) run before the first tensor is
+touched, and every rank learns every other rank's verdict, so a bad checkpoint is either
+loaded nowhere or, under ``latest``/``auto``, skipped everywhere for the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from distrun_safetensors import comm
+from distrun_safetensors.files import CheckpointError
+from distrun_safetensors.manifest import (
+    Checkpoint,
+    candidates,
+    is_checkpoint_folder,
+    state_files,
+    validate,
+)
+from distrun_safetensors.pieces import DTYPES, box_of, covered, is_dtensor, read_box
+from distrun_safetensors.save import optimizer_names
+from distrun_safetensors.statecodec import decode
+
+__all__ = ["LoadResult", "load", "resolve_source"]
+
+log = logging.getLogger("distrun")
+
+
+class LoadResult:
+    """What :func:`load` restored: the folder, its step and this rank's contributed state."""
+
+    def __init__(self, path: str, step: int, state: dict[str, Any]) -> None:
+        self.path = path
+        self.step = step
+        self.state = state
+
+
+def resolve_source(source: str, ckpt_dir: str) -> tuple[list[str], bool, list[str]]:
+    """(folders to try, whether the user named one folder, notes on a broken ``latest``)."""
+    if source not in ("auto", "latest"):
+        if not os.path.exists(source):
+            raise CheckpointError(f"checkpoint {source} does not exist (give a step-N folder, a "
+                                  "checkpoints folder or a run folder)")
+        if is_checkpoint_folder(source):
+            return [source], True, []
+        nested = os.path.join(source, "checkpoints")
+        has_own = any(n == "latest" or n.startswith("step-") for n in os.listdir(source))
+        ckpt_dir = nested if os.path.isdir(nested) and not has_own else source
+    folders, notes = candidates(ckpt_dir)
+    return folders, False, notes
+
+
+def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
+    rank, world = comm.rank_world()
+    plan: Any = None
+    if rank == 0:
+        try:
+            plan = resolve_source(source, ckpt_dir)
+        except CheckpointError as exc:
+            plan = str(exc)
+    plan = comm.broadcast(plan)
+    if isinstance(plan, str):
+        raise CheckpointError(plan)
+    folders, explicit, notes = plan
+    for note in notes:
+        if rank == 0:
+            log.warning("checkpoint: %s; looking for the newest valid checkpoint", note)
+    for folder in folders:
+        ckpt, error = None, None
+        try:
+            ckpt = validate(folder, rank, world, verify)
+        except CheckpointError as exc:
+            error = str(exc)
+        error = comm.agree(error)
+        if error is None:
+            return ckpt
+        if explicit:
+            raise CheckpointError(error)
+        if rank == 0:
+            log.warning("checkpoint: skipping %s: %s", folder, error)
+    if folders:
+        raise CheckpointError(f"no valid checkpoint in {ckpt_dir if source in ('auto', 'latest') else source}: "
+                              f"all {len(folders)} are damaged (see the warnings above)")
+    if source == "auto":
+        return None
+    raise CheckpointError(f"no checkpoint found in {ckpt_dir if source == 'latest' else source} "
+                          "(train with --ckpt-every-n-steps N first, or use --resume auto)")
+
+
+def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> str | None:
+    sd = model.state_dict()
+    missing = [k for k in sd if k not in ckpt.model]
+    unexpected = [k for k in ckpt.model if k not in sd]
+    wrong = []
+    for k, t in sd.items():
+        info = ckpt.model.get(k)
+        if info is None:
+            continue
+        want = (DTYPES[info["dtype"]], list(info["shape"]))
+        if (t.dtype, list(t.shape)) != want:
+            wrong.append(f"{k}: checkpoint {info['dtype']}{info['shape']} vs model "
+                         f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}"
+                     + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    if unexpected:
+        parts.append(f"not in the model: {', '.join(unexpected[:5])}"
+                     + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""))
+    if wrong:
+        parts.append("shape/dtype differ: " + "; ".join(wrong[:5]))
+    if parts:
+        return (f"{ckpt.folder} does not fit this model: " + " | ".join(parts)
+                + " (load it into the model it was saved from)")
+    for k, t in sd.items():
+        box = box_of(t)
+        if box is not None and not covered(ckpt.model[k], *box):
+            return f"{ckpt.folder}: tensor {k!r} is not fully stored (incomplete checkpoint)"
+    if optimizer is not None and ckpt.optimizer is not None:
+        saved = [g.get("params") for g in ckpt.optimizer.get("param_groups", [])]
+        now = optimizer_names(optimizer, model)
+        if saved != now:
+            return (f"{ckpt.folder}: the optimizer's parameter groups differ from the saved ones "
+                    f"(saved {_brief(saved)}, now {_brief(now)})")
+        for entry in ckpt.optimizer.get("state", {}).values():
+            for v in entry.values():
+                if isinstance(v, dict) and "__tensor__" in v and v["__tensor__"] not in ckpt.optim:
+                    return f"{ckpt.folder}: optimizer tensor {v['__tensor__']!r} is not stored"
+    return None
+
+
+def _brief(groups: Any) -> str:
+    return str([g[:3] + ["..."] if isinstance(g, list) and len(g) > 3 else g for g in groups])
+
+
+def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir: str = "",
+         verify: bool = True) -> LoadResult | None:
+    """Restore ``model`` (and ``optimizer``) in place on every rank; None when ``auto`` finds
+    nothing. Raises :class:`CheckpointError` before changing anything when the checkpoint is
+    damaged or does not fit."""
+    ckpt = _choose(source, ckpt_dir, verify)
+    if ckpt is None:
+        return None
+    problem = None
+    try:
+        problem = _fit_problems(ckpt, model, optimizer)
+    except CheckpointError as exc:
+        problem = str(exc)
+    problem = comm.agree(problem)
+    if problem:
+        raise CheckpointError(problem)
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def open_file(name: str) -> Any:
+            if name not in handles:
+                from safetensors import safe_open
+
+                handles[name] = stack.enter_context(
+                    safe_open(ckpt.path(name), framework="pt", device="cpu"))
+            return handles[name]
+
+        try:
+            _load_model(ckpt, model, open_file)
+            if optimizer is not None and ckpt.optimizer is not None:
+                _load_optimizer(ckpt, model, optimizer, open_file)
+            state = _load_state(ckpt, stack)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{ckpt.folder}: reading failed ({exc})") from exc
+    return LoadResult(ckpt.folder, ckpt.step, state)
+
+
+def _load_model(ckpt: Checkpoint, model: torch.nn.Module, open_file: Any) -> None:
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            box = box_of(t)
+            if box is None:
+                continue
+            local = t.to_local() if is_dtensor(t) else t
+            if local.numel() == 0:
+                continue
+            read_box(open_file, ckpt.model[name], *box, local)
+
+
+def _read_like(ckpt: Checkpoint, tname: str, param: torch.Tensor, open_file: Any) -> Any:
+    info = ckpt.optim[tname]
+    dtype = DTYPES[info["dtype"]]
+    if is_dtensor(param) and list(info["shape"]) == list(param.shape):
+        from torch.distributed.tensor import DTensor
+
+        offsets, shape = box_of(param) or ([0] * param.dim(), [0] * param.dim())
+        local = torch.empty(shape, dtype=dtype)
+        if local.numel():
+            read_box(open_file, info, offsets, shape, local)
+        return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+    full = torch.empty(info["shape"], dtype=dtype)
+    if full.numel():
+        read_box(open_file, info, [0] * full.dim(), list(full.shape), full)
+    return full
+
+
+def _load_optimizer(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any,
+                    open_file: Any) -> None:
+    meta = ckpt.optimizer or {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [n for row in optimizer_names(optimizer, model) for n in row]
+    state: dict[int, dict[str, Any]] = {}
+    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+        entry = meta.get("state", {}).get(name)
+        if entry is None:
+            continue
+        values = {}
+        for skey, v in entry.items():
+            if isinstance(v, dict) and set(v) == {"__tensor__"}:
+                values[skey] = _read_like(ckpt, v["__tensor__"], param, open_file)
+            else:
+                values[skey] = decode(v, None)
+        state[i] = values
+    groups, start = [], 0
+    for g in meta["param_groups"]:
+        n = len(g["params"])
+        groups.append({**{k: decode(v, None) for k, v in g.items() if k != "params"},
+                       "params": list(range(start, start + n))})
+        start += n
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _load_state(ckpt: Checkpoint, stack: ExitStack) -> dict[str, Any]:
+    rank, world = comm.rank_world()
+    saved = ckpt.manifest.get("states", {})
+    files = saved.get("files") or []
+    if not files:
+        return {}
+    source_rank = rank if saved.get("world_size") == world and rank < len(files) else 0
+    ref = files[source_rank]
+    json_name, tensor_name = state_files(source_rank)
+    if ref.get("json") != json_name or ref.get("tensors") not in (None, tensor_name):
+        raise CheckpointError(f"{ckpt.folder}: the manifest's state files for rank "
+                              f"{source_rank} are misnamed")
+    import json
+
+    with open(ckpt.path(json_name), "rb") as fh:
+        data = json.loads(fh.read())
+    getter = None
+    if ref.get("tensors"):
+        from safetensors import safe_open
+
+        handle = stack.enter_context(safe_open(ckpt.path(tensor_name), framework="pt",
+                                               device="cpu"))
+
+        def getter(key: str) -> torch.Tensor:
+            return handle.get_tensor(key)
+
+    return decode(data, getter)

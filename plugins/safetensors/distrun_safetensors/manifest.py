@@ -1,0 +1,297 @@
+"""The checkpoint folder: names, the manifest and indexes, validation, discovery. Torch-free.
+
+See ``plugins/safetensors/FORMAT.md`` for the format these functions read and write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, crc32_file, member, read_header
+
+__all__ = ["FORMAT", "VERSION", "Checkpoint", "candidates", "read_latest", "validate"]
+
+FORMAT = "distrun-safetensors"
+VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIM_INDEX = "optimizer.safetensors.index.json"
+OPTIM_JSON = "optimizer.json"
+LATEST = "latest"
+STEP_RE = re.compile(r"^step-(\d+)$")
+#: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
+#: leaves it as the newest valid one; the next commit removes it)
+_ASIDE_RE = re.compile(r"^\.old-step-(\d+)-[0-9a-f]{8}$")
+_JSON_LIMIT = 256 * 1024 * 1024
+
+
+def data_file(kind: str, rank: int, world: int) -> str:
+    return f"{kind}-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def state_files(rank: int) -> tuple[str, str]:
+    return f"state-{rank:05d}.json", f"state-{rank:05d}.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint folder: manifest, tensor indexes and optimizer description."""
+
+    folder: str
+    manifest: dict[str, Any]
+    model: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optim: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optimizer: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def path(self, name: str) -> str:
+        return member(self.folder, name)
+
+
+# -- reading the small JSON files ----------------------------------------------------------------
+
+
+def _read_json(path: str, what: str, expect: dict[str, Any] | None = None,
+               verify: bool = True) -> Any:
+    try:
+        size = os.path.getsize(path)
+        if size > _JSON_LIMIT:
+            raise CheckpointError(f"{path}: {what} is {size} bytes, too large to be one")
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    if expect is not None:
+        if len(data) != expect.get("size"):
+            raise CheckpointError(f"{path}: {what} is {len(data)} bytes, the manifest says "
+                                  f"{expect.get('size')} (truncated or replaced)")
+        if verify and f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != expect.get("crc32"):
+            raise CheckpointError(f"{path}: checksum mismatch (corrupted {what})")
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path}: {what} is not valid JSON (corrupted)") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object")
+    return obj
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    """The manifest of ``folder``; a folder without one is a torn or foreign save."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory)")
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {folder} is not a committed checkpoint "
+                              "(a torn save or another tool's folder)")
+    path = member(folder, MANIFEST)
+    manifest = _read_json(path, "manifest")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{path}: format version {version!r} is newer than this plugin "
+                              f"reads ({VERSION}); upgrade distrun-safetensors")
+    files = manifest.get("files")
+    ok = (isinstance(files, dict) and isinstance(manifest.get("step"), int)
+          and isinstance(manifest.get("world_size"), int) and manifest["world_size"] >= 1
+          and all(isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values()))
+    if not ok:
+        raise CheckpointError(f"{path}: manifest is malformed (files, step or world_size)")
+    for name in files:
+        member(folder, name)
+    return manifest
+
+
+def _check_index(folder: str, name: str, index: dict[str, Any],
+                 files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    where = os.path.join(folder, name)
+    if not isinstance(index.get("weight_map"), dict) or not isinstance(index.get("distrun"), dict):
+        raise CheckpointError(f"{where}: index has no weight_map or distrun section")
+    for key, fname in index["weight_map"].items():
+        if fname not in files:
+            member(folder, fname)  # a path that escapes gets its own message first
+            raise CheckpointError(f"{where}: weight_map entry {key!r} names {fname!r}, which "
+                                  "is not a file of this checkpoint")
+    tensors = index["distrun"].get("tensors")
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{where}: distrun.tensors is missing")
+    for tname, info in tensors.items():
+        _check_tensor(where, tname, info, files)
+    return tensors
+
+
+def _check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> None:
+    bad = f"{where}: tensor {name!r}"
+    if not (isinstance(info, dict) and info.get("dtype") in DTYPE_SIZES
+            and isinstance(info.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+            and isinstance(info.get("pieces"), list)):
+        raise CheckpointError(f"{bad} is described badly (dtype, shape or pieces)")
+    shape = info["shape"]
+    numel = _prod(shape)
+    covered = 0
+    boxes = []
+    for piece in info["pieces"]:
+        if not (isinstance(piece, dict) and piece.get("file") in files
+                and isinstance(piece.get("key"), str)
+                and _int_list(piece.get("offsets"), len(shape))
+                and _int_list(piece.get("shape"), len(shape))):
+            raise CheckpointError(f"{bad} has a malformed piece {piece!r}")
+        box = list(zip(piece["offsets"], piece["shape"], strict=False))
+        if any(o < 0 or o + s > g for (o, s), g in zip(box, shape, strict=False)):
+            raise CheckpointError(f"{bad}: piece {piece['key']!r} lies outside shape {shape}")
+        covered += _prod(piece["shape"])
+        boxes.append(box)
+    if covered != numel:
+        raise CheckpointError(f"{bad}: its pieces hold {covered} of {numel} elements")
+    if len(boxes) <= 256:
+        for i, a in enumerate(boxes):
+            for b in boxes[:i]:
+                if all(x[0] < y[0] + y[1] and y[0] < x[0] + x[1] for x, y in zip(a, b, strict=False)) \
+                        and _prod([s for _, s in a]) and _prod([s for _, s in b]):
+                    raise CheckpointError(f"{bad}: two pieces overlap")
+
+
+def _int_list(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(
+        isinstance(v, int) and v >= 0 for v in value)
+
+
+def _prod(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) -> Checkpoint:
+    """Check a checkpoint folder; raise :class:`CheckpointError` naming the first bad file.
+
+    Every caller checks the manifest, the indexes and every file's size. The big files are
+    split among ``world`` callers (``rank`` checks files ``rank, rank + world, ...``): their
+    headers against the indexes and, with ``verify``, their CRC-32. Together the ranks read
+    each byte once.
+    """
+    manifest = read_manifest(folder)
+    files = manifest["files"]
+    ckpt = Checkpoint(folder=folder, manifest=manifest)
+    for name, info in files.items():
+        path = member(folder, name)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise CheckpointError(f"{path} is missing (the manifest lists it)") from None
+        if size != info["size"]:
+            raise CheckpointError(f"{path} is {size} bytes, the manifest says {info['size']} "
+                                  "(truncated or replaced)")
+    for name, attr in ((MODEL_INDEX, "model"), (OPTIM_INDEX, "optim")):
+        if name in files:
+            index = _read_json(member(folder, name), "index", files[name], verify)
+            setattr(ckpt, attr, _check_index(folder, name, index, files))
+    if OPTIM_JSON in files:
+        ckpt.optimizer = _read_json(member(folder, OPTIM_JSON), "optimizer state",
+                                    files[OPTIM_JSON], verify)
+    expected: dict[str, dict[str, tuple[str, list[int]]]] = {}
+    for tensors in (ckpt.model, ckpt.optim):
+        for info in tensors.values():
+            for piece in info["pieces"]:
+                expected.setdefault(piece["file"], {})[piece["key"]] = (
+                    info["dtype"], piece["shape"])
+    for name in sorted(files)[rank::world]:
+        path = member(folder, name)
+        if verify and files[name].get("crc32") != crc32_file(path):
+            raise CheckpointError(f"{path}: checksum mismatch (corrupted file)")
+        if not name.endswith(".safetensors"):
+            continue
+        header, _ = read_header(path)
+        for key, (dtype, shape) in expected.get(name, {}).items():
+            got = header.get(key)
+            if got is None:
+                raise CheckpointError(f"{path}: tensor {key!r} named by the index is missing")
+            if got["dtype"] != dtype or got["shape"] != shape:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is {got['dtype']}{got['shape']} but the index "
+                    f"says {dtype}{shape}")
+    return ckpt
+
+
+# -- discovery -----------------------------------------------------------------------------------
+
+
+def read_latest(ckpt_dir: str) -> tuple[str | None, str | None]:
+    """(folder named by ``latest``, problem) -- either may be None."""
+    path = os.path.join(ckpt_dir, LATEST)
+    if not os.path.lexists(path):
+        return None, None
+    try:
+        with open(member(ckpt_dir, LATEST)) as fh:
+            name = fh.read(256).strip()
+    except (OSError, UnicodeDecodeError, CheckpointError) as exc:
+        return None, f"{path} is unreadable ({exc})"
+    if not STEP_RE.match(name):
+        return None, f"{path} does not name a step-N folder ({name[:40]!r})"
+    return os.path.join(ckpt_dir, name), None
+
+
+def committed_at(folder: str) -> float:
+    try:
+        with open(os.path.join(folder, MANIFEST), "rb") as fh:
+            return float(json.loads(fh.read(1 << 20)).get("committed_at", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1.0
+
+
+def step_folders(ckpt_dir: str) -> list[str]:
+    """``step-N`` folders of ``ckpt_dir``, newest commit first."""
+    try:
+        names = [n for n in os.listdir(ckpt_dir) if STEP_RE.match(n) or _ASIDE_RE.match(n)]
+    except OSError:
+        return []
+    folders = [os.path.join(ckpt_dir, n) for n in names
+               if os.path.isdir(os.path.join(ckpt_dir, n))]
+
+    def order(folder: str) -> tuple[float, bool, int]:
+        name = os.path.basename(folder)
+        m = STEP_RE.match(name) or _ASIDE_RE.match(name)
+        return (committed_at(folder), not name.startswith("."), int(m.group(1)))
+
+    return sorted(folders, key=order, reverse=True)
+
+
+def candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
+    """(folders to try in order: ``latest`` first then newest commits, notes about ``latest``)."""
+    notes = []
+    latest, problem = read_latest(ckpt_dir)
+    if problem:
+        notes.append(problem)
+    order = step_folders(ckpt_dir)
+    if latest is not None:
+        if os.path.isdir(latest):
+            order = [latest] + [f for f in order if f != latest]
+        else:
+            notes.append(f"{os.path.join(ckpt_dir, LATEST)} names {os.path.basename(latest)}, "
+                         "which does not exist")
+    return order, notes
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    return os.path.exists(os.path.join(path, MANIFEST)) or bool(
+        STEP_RE.match(os.path.basename(os.path.normpath(path))))

@@ -1,0 +1,336 @@
+"""Saving: every rank writes its pieces in parallel, rank 0 commits the folder atomically.
+
+Commit protocol (see FORMAT.md): all files go into ``<dir>/.tmp-step-N-<id>/`` and are fsynced;
+each rank reports its files with sizes and CRC-32s to rank 0; rank 0 writes the indexes and
+finally ``manifest.json``, fsyncs them and the folder, renames it to ``step-N``, fsyncs the
+parent, then atomically replaces ``latest``. Old checkpoints are pruned only after that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from distrun_safetensors import comm
+from distrun_safetensors.files import (
+    CheckpointError,
+    fsync_dir,
+    kill_point,
+    write_json,
+    write_safetensors,
+)
+from distrun_safetensors.manifest import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    MODEL_INDEX,
+    OPTIM_INDEX,
+    OPTIM_JSON,
+    VERSION,
+    _check_tensor,  # noqa: I001
+    data_file,
+    state_files,
+    step_folders,
+)
+from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
+from distrun_safetensors.statecodec import encode
+
+__all__ = ["Checkpointer", "optimizer_names"]
+
+
+def optimizer_names(optimizer: Any, model: torch.nn.Module) -> list[list[str]]:
+    """Parameter names of each optimizer param group, in ``state_dict`` index order."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    out, i = [], 0
+    for group in optimizer.param_groups:
+        row = []
+        for p in group["params"]:
+            row.append(names.get(id(p), f"#{i}"))
+            i += 1
+        out.append(row)
+    return out
+
+
+def collect_optimizer(optimizer: Any, model: torch.nn.Module) -> tuple[
+        list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """(named state tensors, JSON description) of an optimizer, keyed by parameter name."""
+    sd = optimizer.state_dict()
+    groups = optimizer_names(optimizer, model)
+    flat = [n for row in groups for n in row]
+    tensors: list[tuple[str, torch.Tensor]] = []
+    state: dict[str, Any] = {}
+    for index, values in sd["state"].items():
+        pname = flat[index]
+        entry = {}
+        for skey, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tname = f"{pname}/{skey}"
+                tensors.append((tname, value))
+                entry[skey] = {"__tensor__": tname}
+            else:
+                entry[skey] = encode(value, f"optimizer.{pname}.{skey}", None)
+        state[pname] = entry
+    param_groups = []
+    for group, row in zip(sd["param_groups"], groups, strict=False):
+        hyper = {k: encode(v, f"optimizer.param_groups.{k}", None)
+                 for k, v in group.items() if k != "params"}
+        param_groups.append({"params": row, **hyper})
+    return tensors, {"param_groups": param_groups, "state": state,
+                     "class": type(optimizer).__name__}
+
+
+class Checkpointer:
+    """Writes checkpoints of one run into ``directory`` (every rank holds one)."""
+
+    def __init__(self, directory: str, keep_last: int = 0, split_bytes: int = 4 << 20,
+                 async_save: bool = False) -> None:
+        self.directory = directory
+        self.keep_last = keep_last
+        self.split_bytes = split_bytes
+        self.async_save = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+        self.last: tuple[int, str] | None = None
+        self.pending: tuple[int, str] | None = None
+
+    # -- public ---------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
+             state: Mapping[str, Any] | None = None, reason: str = "user",
+             info: Mapping[str, Any] | None = None) -> str:
+        """Write a checkpoint of ``step``; every rank calls this together. Returns its path.
+
+        With ``async_save`` the tensors are copied to CPU memory here and written by a
+        background thread; the returned path exists once :meth:`wait` returns.
+        """
+        self.wait()
+        final = os.path.join(self.directory, f"step-{step}")
+        if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
+            return self.last[1]
+        rank, world = comm.rank_world()
+        tmp = None
+        if rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
+            os.mkdir(tmp)
+        tmp = comm.broadcast(tmp)
+        job = self._collect(rank, world, model, optimizer, state, step, reason, info)
+        if not self.async_save:
+            self._write_and_commit(job, tmp, final, None)
+            return final
+        job["pieces"] = [_stage(p) for p in job["pieces"]]
+        if self._group is None and comm.active():
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        self.pending = (step, final)
+        self._thread = threading.Thread(target=self._background, name="distrun-ckpt-save",
+                                        args=(job, tmp, final), daemon=True)
+        self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        """Wait for an async save in flight; re-raise its error on this rank."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- steps ----------------------------------------------------------------------------
+    def _collect(self, rank: int, world: int, model: torch.nn.Module, optimizer: Any,
+                 state: Mapping[str, Any] | None, step: int, reason: str,
+                 info: Mapping[str, Any] | None) -> dict[str, Any]:
+        model_sd = model.state_dict()
+        for name, value in model_sd.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"model state {name!r} is a {type(value).__name__}, not a "
+                                      "tensor; distrun-safetensors stores tensors only")
+        pieces = [("model", p) for p in plan_pieces(model_sd.items(), rank, world,
+                                                    self.split_bytes)]
+        optim_meta = None
+        if optimizer is not None:
+            named, optim_meta = collect_optimizer(optimizer, model)
+            pieces += [("optim", p) for p in plan_pieces(named, rank, world, self.split_bytes)]
+        state_tensors: dict[str, torch.Tensor] = {}
+        state_json = encode(dict(state or {}), "state", state_tensors)
+        layouts = sorted({str(tuple(v.device_mesh.shape)) + " " + str(v.device_mesh.mesh_dim_names)
+                          for v in model_sd.values() if is_dtensor(v)})
+        return {"rank": rank, "world": world, "step": step, "reason": reason,
+                "pieces": pieces, "optim_meta": optim_meta, "state_json": state_json,
+                "state_tensors": state_tensors, "meshes": layouts, "info": dict(info or {}),
+                "order": list(model_sd)}
+
+    def _background(self, job: dict[str, Any], tmp: str, final: str) -> None:
+        try:
+            self._write_and_commit(job, tmp, final, self._group)
+        except BaseException as exc:  # re-raised on the main thread by wait()
+            self._error = exc
+
+    def _write_and_commit(self, job: dict[str, Any], tmp: str, final: str, group: Any) -> None:
+        error = None
+        report: dict[str, Any] = {}
+        try:
+            report = _write_rank_files(job, tmp)
+        except Exception as exc:
+            error = f"rank {job['rank']}: {exc}"
+        reports = comm.gather({"error": error, **report}, group)
+        outcome = None
+        if job["rank"] == 0:
+            try:
+                outcome = self._commit(job, reports or [], tmp, final)
+            except Exception as exc:
+                outcome = {"error": str(exc)}
+                shutil.rmtree(tmp, ignore_errors=True)
+        outcome = comm.broadcast(outcome, group)
+        if outcome.get("error"):
+            raise CheckpointError(f"checkpoint step {job['step']} was not saved: "
+                                  f"{outcome['error']}")
+        self.last = (job["step"], final)
+
+    def _commit(self, job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
+                final: str) -> dict[str, Any]:
+        errors = [r["error"] for r in reports if r.get("error")]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        files: dict[str, Any] = {}
+        indexes: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
+        for r in reports:
+            files.update(r["files"])
+            for kind in ("model", "optim"):
+                for name, desc in r["pieces"][kind].items():
+                    entry = indexes[kind].setdefault(name, {**desc["tensor"], "pieces": []})
+                    entry["pieces"].extend(desc["pieces"])
+        order = {name: i for i, name in enumerate(job["order"])}
+        indexes["model"] = dict(sorted(indexes["model"].items(),
+                                       key=lambda kv: order.get(kv[0], len(order))))
+        for kind in ("model", "optim"):
+            for name, info in indexes[kind].items():
+                _check_tensor(f"{kind} pieces", name, info, files)
+        if job["optim_meta"] is not None:
+            files[OPTIM_JSON] = write_json(os.path.join(tmp, OPTIM_JSON), job["optim_meta"])
+        for kind, name in (("model", MODEL_INDEX), ("optim", OPTIM_INDEX)):
+            if kind == "optim" and job["optim_meta"] is None:
+                continue
+            files[name] = write_json(os.path.join(tmp, name), _hf_index(indexes[kind]))
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
+            "committed_at": time.time(), "world_size": job["world"],
+            "meshes": job["meshes"], "checksum": "crc32", "files": files,
+            "states": {"world_size": job["world"],
+                       "files": [r["state_files"] for r in reports]},
+            **job["info"],
+        }
+        write_json(os.path.join(tmp, MANIFEST), manifest)
+        fsync_dir(tmp)
+        kill_point("tmp folder synced")
+        if os.path.exists(final):  # same step saved before (e.g. a resumed run): replace it
+            old = os.path.join(self.directory, f".old-{os.path.basename(final)}-"
+                                               f"{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.directory)
+        kill_point("renamed")
+        pointer = os.path.join(self.directory, f".latest-{uuid.uuid4().hex[:8]}")
+        with open(pointer, "w") as fh:
+            fh.write(os.path.basename(final) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        kill_point("latest written")
+        os.replace(pointer, os.path.join(self.directory, LATEST))
+        fsync_dir(self.directory)
+        kill_point("latest replaced")
+        self._prune(final)
+        return {"error": None}
+
+    def _prune(self, keep: str) -> None:
+        """Drop leftovers of crashed saves and all but the ``keep_last`` newest checkpoints."""
+        for name in os.listdir(self.directory):
+            if name.startswith((".tmp-step-", ".old-step-", ".latest-")):
+                path = os.path.join(self.directory, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+        if self.keep_last <= 0:
+            return
+        folders = [f for f in step_folders(self.directory) if f != keep]
+        for folder in folders[self.keep_last - 1:]:
+            shutil.rmtree(folder, ignore_errors=True)
+            kill_point(f"pruned {folder}")
+
+
+def _stage(item: tuple[str, Piece]) -> tuple[str, Piece]:
+    kind, piece = item
+    copy = piece.tensor.detach().to("cpu", copy=True).contiguous()
+    return kind, Piece(piece.name, piece.key, piece.dtype, piece.global_shape, piece.offsets,
+                       copy, piece.layout)
+
+
+def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
+    rank, world = job["rank"], job["world"]
+    files: dict[str, Any] = {}
+    described: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
+    for kind in ("model", "optim"):
+        mine = [p for k, p in job["pieces"] if k == kind]
+        if not mine:
+            continue
+        fname = data_file(kind, rank, world)
+        entries = [(p.key, p.dtype, list(p.tensor.shape), p.nbytes) for p in mine]
+        files[fname] = write_safetensors(os.path.join(tmp, fname), entries,
+                                         (tensor_bytes(p.tensor) for p in mine),
+                                         {"format": "pt", "producer": FORMAT})
+        for p in mine:
+            d = described[kind].setdefault(p.name, {
+                "tensor": {"dtype": p.dtype, "shape": p.global_shape, "layout": p.layout},
+                "pieces": []})
+            d["pieces"].append({"file": fname, "key": p.key, "offsets": p.offsets,
+                                "shape": list(p.tensor.shape)})
+    json_name, tensor_name = state_files(rank)
+    state_ref = {"json": json_name, "tensors": None}
+    if job["state_tensors"]:
+        keys = list(job["state_tensors"])
+        ts = [job["state_tensors"][k] for k in keys]
+        from distrun_safetensors.pieces import safetensors_dtype
+
+        entries = [(k, safetensors_dtype(t.dtype), list(t.shape), t.numel() * t.element_size())
+                   for k, t in zip(keys, ts, strict=False)]
+        files[tensor_name] = write_safetensors(os.path.join(tmp, tensor_name), entries,
+                                               (tensor_bytes(t) for t in ts))
+        state_ref["tensors"] = tensor_name
+    files[json_name] = write_json(os.path.join(tmp, json_name), job["state_json"])
+    for info in files.values():
+        info["rank"] = rank
+    return {"files": files, "pieces": described, "state_files": state_ref}
+
+
+def _hf_index(tensors: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    total = 0
+    weight_map = {}
+    for info in tensors.values():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        from distrun_safetensors.files import DTYPE_SIZES
+
+        total += numel * DTYPE_SIZES[info["dtype"]]
+        info["pieces"].sort(key=lambda p: p["offsets"])
+        for p in info["pieces"]:
+            weight_map[p["key"]] = p["file"]
+    return {"metadata": {"total_size": total, "format": FORMAT, "format_version": VERSION},
+            "weight_map": weight_map,
+            "distrun": {"version": VERSION, "tensors": tensors}}

@@ -1,0 +1,49 @@
+"""``TPStrategy``: a ``"tp"`` device mesh over every rank; the plugin's hook parallelizes.
+
+Every rank of a tensor-parallel group must see the same batch, so the data-parallel view is
+one rank (``dp_rank 0 of 1``): the core's sampler then hands all ranks the same samples.
+Data parallel x tensor parallel is ``--strategy fsdp --tp-size N``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distrun import UsageError
+from distrun.base_strategy import BaseStrategy
+from distrun.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from distrun.run import Run
+
+__all__ = ["TPStrategy"]
+
+
+class TPStrategy(BaseStrategy):
+    """Tensor parallelism over all ranks; gradients of replicated parameters need no sync."""
+
+    name = "tp"
+
+    def setup(self, run: Run) -> None:
+        super().setup(run)
+        if self.world_size == 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_group = True
+        tp = int(self.config.tp_size or 0) or self.world_size
+        if tp != self.world_size:
+            raise UsageError(
+                f"--strategy tp splits layers over all {self.world_size} ranks but --tp-size is "
+                f"{tp} (use --tp-size {self.world_size}, or --strategy fsdp --tp-size {tp} for "
+                f"{self.world_size // tp if self.world_size % tp == 0 else '?'}-way data "
+                f"parallel x {tp}-way tensor parallel)"
+            )
+        self.dims = ParallelDims.from_world(self.world_size, tp=tp)
+        self.mesh: DeviceMesh = init_device_mesh(self.device.type, self.dims.mesh_shape,
+                                                 mesh_dim_names=self.dims.mesh_dim_names)
+        self.dp_rank, self.dp_world_size = 0, 1
+        run.extras["device_mesh"] = self.mesh
+        run.extras["parallel_dims"] = self.dims
+        run.log.info("tp: %s", self.dims)

@@ -1,0 +1,107 @@
+"""The Ray actor that hosts one rank: it starts the worker process on its node and relays it.
+
+Imported by the launcher and by Ray's worker processes (not by the entry point). The worker is
+a plain subprocess with torchrun's variables, exactly as the local launcher starts it, so a
+torchrun script or a distrun task runs unchanged; the actor only owns it, relays its lines and
+stops it. The subprocess dies with the actor (PR_SET_PDEATHSIG on Linux).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+__all__ = ["RankHost"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the actor's stop() still ends it
+        pass
+
+
+class RankHost:
+    """One rank's host on a Ray node (wrapped with ``ray.remote`` by the launcher)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lines: collections.deque[tuple[str, str]] = collections.deque()
+        self.readers: list[threading.Thread] = []
+
+    def node(self) -> tuple[str, str]:
+        """(IP address, Ray node id) of the node this actor was placed on."""
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def free_port(self) -> int:
+        """A port free on this node's address (rank 0 hosts torch's store on it)."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
+
+    def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
+        """Start the worker with this node's Python; ``env`` is added to the actor's own."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        argv = [sys.executable, *command[1:]]  # the launcher's interpreter path may differ here
+        self.lines.clear()
+        self.proc = subprocess.Popen(
+            argv, env=full_env, cwd=cwd if os.path.isdir(cwd) else None,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            errors="replace", preexec_fn=_die_with_parent,
+        )
+        self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
+                        for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
+        for t in self.readers:
+            t.start()
+        return self.proc.pid
+
+    def _read(self, name: str, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append((name, line))
+
+    def poll(self) -> tuple[list[tuple[str, str]], int | None]:
+        """New output lines since the last poll, and the exit code once the worker is done."""
+        code = None if self.proc is None else self.proc.poll()
+        if code is not None:
+            for t in self.readers:  # all lines are read before the exit is reported
+                t.join(timeout=5.0)
+        out = []
+        while self.lines:
+            out.append(self.lines.popleft())
+        return out, code
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker (and its children)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.signal(signal.SIGKILL)
+        return self.proc.wait()

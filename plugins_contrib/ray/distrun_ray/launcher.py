@@ -1,0 +1,262 @@
+"""``distrun run --launcher ray``: one Ray actor per rank, torch's env:// rendezvous between them.
+
+The launcher reserves one placement-group bundle per rank, places a :class:`RankHost` actor in
+each, gives every rank torchrun's variables (rank 0's node address and a port free there as the
+master) and streams the workers' lines back. When a rank fails the others are stopped, the rank
+and its last lines are reported and, with ``--ray-max-restarts N``, the whole group starts
+again with ``TORCHELASTIC_RESTART_COUNT`` raised and ``--resume auto`` (so a checkpoint plugin
+continues from the newest checkpoint of the run).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from distrun import UsageError
+from distrun.config import CONFIG_ENV, RunConfig, with_values
+from distrun.launcher import STOP_GRACE, TAIL_LINES, torchrun_env
+
+__all__ = ["launch_ray", "forwarded_env"]
+
+#: launcher variables handed to workers on every node (names starting with these)
+FORWARD_PREFIXES = ("DISTRUN_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "PYTHONPATH",
+                    "PYTHONUNBUFFERED", "PYTHONHASHSEED", "CUBLAS_")
+POLL_SECONDS = 0.1
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def forwarded_env(environ: dict[str, str], extra: str) -> dict[str, str]:
+    """The launcher variables workers get: the prefixes above and the ``--ray-env`` names."""
+    names = {n.strip() for n in extra.split(",") if n.strip()}
+    return {k: v for k, v in environ.items() if k.startswith(FORWARD_PREFIXES) or k in names}
+
+
+@dataclass
+class _Rank:
+    rank: int
+    actor: Any
+    ip: str
+    local_rank: int = 0
+    local_world: int = 1
+    node_rank: int = 0
+    code: int | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    log: IO[str] | None = None
+
+
+def _connect(config: RunConfig) -> Any:
+    address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address and address.rpartition(":")[0] in LOOPBACK:
+        # Ray rewrites 127.0.0.1 to the machine's outward address unless told the cluster is
+        # local-only; a head started on 127.0.0.1 listens there only. Read when ray is imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR,
+                 include_dashboard=False if address is None else None,
+                 configure_logging=True)
+    except ConnectionError as exc:
+        raise UsageError(f"cannot connect to the Ray cluster at {address}: {exc} "
+                         "(check --ray-address, or start one with `ray start --head`)") from None
+    return ray
+
+
+def _place(ray: Any, config: RunConfig, n: int) -> tuple[Any, list[_Rank]]:
+    """Reserve ``n`` bundles, put a RankHost in each, and number the ranks node by node."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from distrun_ray.actor import RankHost
+
+    bundle: dict[str, float] = {"CPU": config.ray_cpus_per_worker}
+    if config.ray_gpus_per_worker:
+        bundle["GPU"] = config.ray_gpus_per_worker
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=config.ray_placement)
+    try:
+        ray.get(pg.ready(), timeout=config.ray_start_timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        have = ray.cluster_resources()
+        raise UsageError(
+            f"the Ray cluster cannot place {n} workers of {bundle} within "
+            f"{config.ray_start_timeout:g}s (it has CPU={have.get('CPU', 0):g}, "
+            f"GPU={have.get('GPU', 0):g}); lower --ray-num-workers or --ray-cpus-per-worker, "
+            "or add nodes") from None
+    remote = ray.remote(RankHost)
+    actors = [remote.options(
+        num_cpus=config.ray_cpus_per_worker, num_gpus=config.ray_gpus_per_worker or None,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
+    nodes = ray.get([a.node.remote() for a in actors], timeout=config.ray_start_timeout)
+    # torchrun's numbering: ranks of one node are consecutive, nodes in order of appearance.
+    order: dict[str, list[int]] = {}
+    for i, (_, node_id) in enumerate(nodes):
+        order.setdefault(node_id, []).append(i)
+    ranks: list[_Rank] = []
+    for node_rank, members in enumerate(order.values()):
+        for local, i in enumerate(members):
+            ranks.append(_Rank(len(ranks), actors[i], nodes[i][0], local, len(members), node_rank))
+    return pg, ranks
+
+
+class _Stop:
+    """SIGINT/SIGTERM to the launcher: forwarded to every worker, no restart afterwards."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.since: float | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.since = self.since or time.monotonic()
+
+
+def _print(r: _Rank, stream: str, line: str, tee: bool, seen: set[str]) -> None:
+    r.tail.append(line.rstrip("\n"))
+    if r.log is not None:
+        r.log.write(line)
+        r.log.flush()
+    if line.startswith("error: "):  # the same usage error from N ranks is said once
+        if line in seen:
+            return
+        seen.add(line)
+    dst = sys.stdout if stream == "out" else sys.stderr
+    dst.write(f"[rank{r.rank}]: {line}" if tee else line)
+    dst.flush()
+
+
+def _report(r: _Rank, code: int) -> None:
+    lines = [ln for ln in r.tail if ln.strip()]
+    if lines and lines[-1].startswith("error: "):
+        return  # a usage error was already said, in one line
+    print(f"distrun: rank {r.rank} (Ray node {r.ip}) failed with exit code {code}; "
+          "its last lines:", file=sys.stderr)
+    for ln in lines:
+        print(f"  [rank{r.rank}] {ln}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _exit_code(code: int) -> int:
+    return code if code >= 0 else 128 - code
+
+
+def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | None:
+    """Wait for every rank; the first failed one (the others are stopped), or None."""
+    seen: set[str] = set()
+    forwarded = False
+    while True:
+        live = [r for r in ranks if r.code is None]
+        if not live:
+            return None
+        if stop.signum is not None and not forwarded:
+            for r in live:
+                r.actor.signal.remote(stop.signum)
+            forwarded = True
+        if stop.since is not None and time.monotonic() - stop.since > STOP_GRACE:
+            ray.get([r.actor.stop.remote(0.0) for r in live], timeout=60)
+        for r in live:
+            try:
+                lines, code = ray.get(r.actor.poll.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                lines, code = [("err", f"the Ray actor of rank {r.rank} was lost: "
+                                       f"{type(exc).__name__}\n")], -int(signal.SIGKILL)
+            for stream, line in lines:
+                _print(r, stream, line, tee, seen)
+            r.code = code
+        failed = [r for r in ranks if r.code not in (None, 0)]
+        if failed and stop.signum is None:
+            # The root cause, not the ranks that merely lost their peers when it died.
+            first = min(failed, key=lambda r: (r.code in (-9, -15), r.rank))
+            others = [r for r in ranks if r.code is None]
+            try:
+                ray.get([r.actor.stop.remote(5.0) for r in others], timeout=60)
+            except ray.exceptions.RayError:
+                pass
+            return first
+        if stop.signum is not None and all(r.code is not None for r in ranks):
+            return next((r for r in ranks if r.code != 0), None)
+        time.sleep(POLL_SECONDS)
+
+
+def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
+    """Run the job on Ray; the exit code of the first failing rank, else 0."""
+    ray = _connect(config)
+    from ray.util.placement_group import remove_placement_group
+
+    n = config.ray_num_workers or config.world_size_requested or 1
+    restarts = config.ray_max_restarts
+    if restarts == 0 and "ray_max_restarts" not in config.sources:
+        restarts = int(config.get("max_restarts", 0) or 0)  # the elastic plugin's flag, if any
+    base = forwarded_env(environ, config.ray_env)
+    run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name
+    stop = _Stop()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    pg, ranks = None, []
+    try:
+        for attempt in range(restarts + 1):
+            pg, ranks = _place(ray, config, n)
+            master_ip = ranks[0].ip
+            port = ray.get(ranks[0].actor.free_port.remote(), timeout=60)
+            cfg = config if attempt == 0 or config.resume != "never" else \
+                with_values(config, resume="auto")
+            log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+            starts = []
+            nnodes = len({r.node_rank for r in ranks})
+            for r in ranks:
+                env = dict(base)
+                env[CONFIG_ENV] = cfg.to_json()
+                env.update(torchrun_env(
+                    rank=r.rank, local_rank=r.local_rank, world_size=n,
+                    local_world_size=r.local_world, node_rank=r.node_rank, nnodes=nnodes,
+                    master_addr=master_ip, master_port=port, run_id=run_id,
+                    restart_count=attempt, max_restarts=restarts))
+                env.setdefault("PYTHONUNBUFFERED", "1")
+                if log_dir:
+                    r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
+                starts.append(r.actor.start.remote(command, env, os.getcwd()))
+            ray.get(starts, timeout=120)
+            failed = _run_group(ray, ranks, stop, config.tee)
+            _release(ray, ranks, pg, remove_placement_group)
+            pg = None
+            if failed is None:
+                return 0
+            code = _exit_code(failed.code)
+            if stop.signum is not None:
+                return code
+            _report(failed, code)
+            if attempt < restarts:
+                print(f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "
+                      f"{restarts}), resuming from the newest checkpoint", file=sys.stderr,
+                      flush=True)
+        return code
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if pg is not None:
+            _release(ray, ranks, pg, remove_placement_group)
+        ray.shutdown()
+
+
+def _release(ray: Any, ranks: list[_Rank], pg: Any, remove: Any) -> None:
+    for r in ranks:
+        if r.log is not None:
+            r.log.close()
+            r.log = None
+        try:
+            ray.kill(r.actor)
+        except Exception:  # already gone with its node
+            pass
+    try:
+        remove(pg)
+    except Exception:
+        pass

@@ -1,0 +1,30 @@
+"""Open the run's ``SummaryWriter`` (imports torch and tensorboard)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["event_dir", "open_writer"]
+
+
+def event_dir(run: Any) -> str:
+    """``--tensorboard-dir``, else ``RUN_DIR/tensorboard``."""
+    return run.config.get("tensorboard_dir") or os.path.join(run.run_dir or ".", "tensorboard")
+
+
+def open_writer(run: Any) -> Any:
+    """A writer for this run; on resume, events after the restored step are purged."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    purge = run.progress.step + 1 if run.resumed_from else None
+    writer = SummaryWriter(log_dir=event_dir(run), purge_step=purge,
+                           flush_secs=int(run.config.get("tensorboard_flush_secs", 30.0)) or 1)
+    if run.resumed_from is None:
+        from distrun.configcmd import render_toml
+        from distrun.registry import collect_options
+        from distrun.runfolder import value_sources
+
+        text = render_toml(collect_options(run.pm), run.config.as_dict(), value_sources(run.config))
+        writer.add_text("config", "```toml\n" + text + "```", global_step=0)
+    return writer

@@ -1,0 +1,91 @@
+"""distrun-progress: a rich bar on a terminal (a real pty via `script`), plain lines in a pipe."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from distrun.testing import run_cli
+
+TASK = str(Path(__file__).resolve().parents[2] / "core" / "tiny_task.py")
+# tiny_task: 256 samples; --batch-size 32 -> 8 steps per epoch; 2 epochs -> 16 steps.
+FLAGS = ("--max-epochs", "2", "--batch-size", "32", "--log-every-n-steps", "4", "--no-summary")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_pipe_gets_periodic_plain_lines(tmp_path):
+    result = run_cli("run", "--name", "p", "--progress-interval", "0", *FLAGS, TASK,
+                     cwd=tmp_path)
+    assert result.returncode == 0, result
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[progress] epoch")]
+    # interval 0: one line per optimizer step, with total, loss, samples/s and ETA.
+    assert len(lines) == 16, result.stdout
+    assert lines[0].startswith("[progress] epoch 1/2 | step 1/16 (6%) | loss ")
+    assert lines[-1].startswith("[progress] epoch 2/2 | step 16/16 (100%) | loss ")
+    assert all(re.search(r"\| [0-9.]+ samples/s \|", ln) for ln in lines[1:]), lines
+    assert all(re.search(r"ETA \d+:\d\d:\d\d$", ln) for ln in lines[1:]), lines
+    assert "val_loss" in lines[-1]  # validation of epoch 1 shows from then on
+    assert "[progress] validation at step 8 | val_loss" in result.stdout
+    assert not ANSI.search(result.stdout)  # nothing for a terminal in a CI log
+    # The progress plugin took over the core's console line.
+    assert not re.search(r"^epoch \d \| step", result.stdout, re.M)
+    # Rank 0's log file in the run folder has the same lines.
+    log = (tmp_path / "runs" / "p" / "logs" / "rank0.log").read_text()
+    assert log.count("[progress] epoch") == 16
+
+
+def test_interval_thins_the_lines(tmp_path):
+    result = run_cli("run", "--progress-interval", "3600", *FLAGS, TASK, cwd=tmp_path)
+    assert result.returncode == 0, result
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("[progress] epoch")]
+    # The first step prints at once, then nothing for an hour, then the final line.
+    assert [ln.split(" | ")[1] for ln in lines] == ["step 1/16 (6%)", "step 16/16 (100%)"]
+
+
+def test_no_progress_brings_back_the_console_line(tmp_path):
+    result = run_cli("run", "--no-progress", *FLAGS, TASK, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert "[progress]" not in result.stdout
+    steps = re.findall(r"^epoch \d \| step (\d+) \| loss ", result.stdout, re.M)
+    assert steps == ["4", "8", "12", "16"], result.stdout
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pty")
+def test_terminal_gets_a_rich_bar(tmp_path):
+    cmd = shlex.join([sys.executable, "-m", "distrun", "run", "--name", "t", *FLAGS, TASK])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160", "TERM": "xterm"}
+    env.pop("DISTRUN_PROGRESS_TTY", None)
+    proc = subprocess.run(["script", "-qefc", cmd, "/dev/null"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out
+    assert "\x1b[?25l" in out  # rich hid the cursor: a live display, drawn on the terminal
+    frames = [ANSI.sub("", f) for f in re.split(r"\r|\n", out)]
+    final = [f for f in frames if "16/16" in f]
+    assert final, out
+    assert re.search(r"epoch 2/2 .*16/16 .*loss \d+\.\d{4} \| [0-9.]+ samples/s", final[-1])
+    assert "[progress]" not in out  # no plain lines when there is a terminal
+    # The bar went to the terminal directly; the workers' pipe (and so rank0.log) has no bar.
+    assert "16/16" not in (tmp_path / "runs" / "t" / "logs" / "rank0.log").read_text()
+
+
+def test_forced_bar_on_a_pipe(tmp_path):
+    result = run_cli("run", "--progress-mode", "bar", *FLAGS, TASK, cwd=tmp_path)
+    assert result.returncode == 0, result
+    plain = ANSI.sub("", result.stdout)
+    assert "\x1b[" in result.stdout
+    assert re.search(r"epoch 2/2 .* 16/16 loss \d+\.\d{4} \| [0-9.]+ samples/s ETA", plain), plain
+    # Validation results print above the bar, which stays on one 80-column line.
+    assert "validation at step 8 | val_loss " in plain
+
+
+def test_plugin_module_does_not_import_torch_or_rich():
+    code = "import sys, distrun_progress.plugin; print('torch' in sys.modules, 'rich' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False"

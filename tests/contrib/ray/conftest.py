@@ -1,0 +1,43 @@
+"""A local Ray cluster on 127.0.0.1 for the module's tests (skipped when Ray is missing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
+
+_SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "PET_", "KUBERNETES_",
+                       "RAY_ADDRESS")
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """Start `ray start --head` on 127.0.0.1 (4 logical CPUs), stop its process group after."""
+    from distrun_ray.local_cluster import LocalRayCluster
+
+    cluster = LocalRayCluster(num_cpus=4, start_timeout=180)
+    address = cluster.start()
+    try:
+        yield address
+    finally:
+        cluster.stop()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCHEDULER_PREFIXES)
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def distrun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+            ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distrun", *args], cwd=cwd,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,103 @@
+"""`distrun run --launcher ray`: ranks as Ray actors on a local cluster started by the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import clean_env, distrun
+
+PROBE = """
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+print(f"hello from rank {os.environ['RANK']}", flush=True)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "MY_VAR"]
+info = {k: os.environ.get(k) for k in keys}
+info["sum"] = t.item()
+info["resume"] = json.loads(os.environ["DISTRUN_CONFIG"])["values"].get("resume", "never")
+info["cwd"] = os.getcwd()
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as fh:
+    json.dump(info, fh)
+dist.destroy_process_group()
+"""
+
+#: rank 1 fails on the first attempt only (after saying why); everyone succeeds afterwards
+FLAKY = """
+import os, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    print("rank 1 is about to fail", flush=True)
+    print("boom: simulated failure", file=sys.stderr, flush=True)
+    sys.exit(3)
+""" + PROBE
+
+
+def _ranks(folder: Path, world: int) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_two_ray_workers_form_a_gloo_group_and_stream_logs(tmp_path, ray_address):
+    (tmp_path / "probe.py").write_text(PROBE)
+    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                     "--ray-num-workers", "2", "--ray-env", "MY_VAR", "--tee", "probe.py",
+                     str(tmp_path), cwd=tmp_path, env=clean_env(MY_VAR="forwarded"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    infos = _ranks(tmp_path, 2)
+    for rank, info in enumerate(infos):
+        assert (info["RANK"], info["LOCAL_RANK"], info["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert (info["LOCAL_WORLD_SIZE"], info["GROUP_RANK"]) == ("2", "0")  # one Ray node
+        assert info["MASTER_ADDR"] == "127.0.0.1" and int(info["MASTER_PORT"]) > 0
+        assert info["sum"] == 1.0 and info["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert info["MY_VAR"] == "forwarded" and info["cwd"] == str(tmp_path)
+    # the workers' own lines came back through the launcher, tagged with their rank
+    lines = result.stdout.splitlines()
+    assert "[rank0]: hello from rank 0" in lines and "[rank1]: hello from rank 1" in lines
+    # and were kept per rank in the run folder
+    logs = sorted(p.name for p in (tmp_path / "runs").glob("*/logs/rank*.log"))
+    assert logs == ["rank0.log", "rank1.log"]
+
+
+def test_a_failure_names_the_rank_and_its_last_lines(tmp_path, ray_address):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                     "--ray-num-workers", "2", "flaky.py", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 3, result.stdout + result.stderr
+    err = result.stderr
+    assert "distrun: rank 1 (Ray node 127.0.0.1) failed with exit code 3; its last lines:" in err
+    assert "  [rank1] boom: simulated failure" in err.splitlines()
+    assert "restarting" not in err
+
+
+def test_max_restarts_restarts_the_group_with_resume_auto(tmp_path, ray_address):
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                     "--ray-num-workers", "2", "--ray-max-restarts", "1", "flaky.py",
+                     str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 (Ray node 127.0.0.1) failed with exit code 3" in result.stderr
+    assert "restarting all 2 ranks on Ray (restart 1 of 1)" in result.stderr
+    for info in _ranks(tmp_path, 2):  # written by the second attempt only
+        assert info["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert info["TORCHELASTIC_MAX_RESTARTS"] == "1"
+        assert info["resume"] == "auto" and info["sum"] == 1.0
+
+
+def test_a_cluster_too_small_is_a_usage_error(tmp_path, ray_address):
+    (tmp_path / "probe.py").write_text(PROBE)
+    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                     "--ray-num-workers", "9", "--ray-start-timeout", "3", "probe.py",
+                     str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: the Ray cluster cannot place 9 workers of {'CPU': 1.0} within 3s (it has CPU=4")
+
+
+def test_the_local_launcher_is_untouched(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    result = distrun("run", "--launcher", "local", "--nproc-per-node", "2", "probe.py",
+                     str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [i["RANK"] for i in _ranks(tmp_path, 2)] == ["0", "1"]

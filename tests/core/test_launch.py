@@ -1,0 +1,145 @@
+"""`distrun run` as torchrun: environment, targets, exit codes, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from distrun.testing import run_cli
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+        "OMP_NUM_THREADS"]
+info = {k: os.environ.get(k) for k in keys}
+info["sum"] = t.item()
+info["argv"] = sys.argv[1:]
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as fh:
+    json.dump(info, fh)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_script_runs_unchanged_on_two_processes(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    result = run_cli("run", "--nproc_per_node", "2", str(script), str(tmp_path), "--lr", "3",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, info in enumerate(infos):
+        assert info["RANK"] == str(rank) and info["LOCAL_RANK"] == str(rank)
+        assert info["ROLE_RANK"] == str(rank)
+        assert info["WORLD_SIZE"] == "2" and info["LOCAL_WORLD_SIZE"] == "2"
+        assert info["GROUP_RANK"] == "0"
+        assert info["MASTER_ADDR"] == "127.0.0.1"
+        assert int(info["MASTER_PORT"]) > 0
+        assert info["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert info["TORCHELASTIC_RUN_ID"]
+        assert info["OMP_NUM_THREADS"] == "1"
+        assert info["sum"] == 1.0  # 0 + 1: a real gloo all-reduce between the two
+        assert info["argv"] == [str(tmp_path), "--lr", "3"]  # script args pass through
+    assert infos[0]["MASTER_PORT"] == infos[1]["MASTER_PORT"]
+
+
+def test_module_target(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text(TORCHRUN_SCRIPT)
+    result = run_cli("run", "--nproc-per-node", "2", "-m", "mypkg.job", str(tmp_path),
+                     cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result
+    assert json.loads((tmp_path / "rank1.json").read_text())["sum"] == 1.0
+
+
+def test_task_target_trains(tmp_path, tiny_script):
+    result = run_cli("run", "--max-steps", "3", "--run-dir", str(tmp_path / "r"),
+                     f"{tiny_script}:TinyTask", cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert "Total params" in result.stdout  # the summary table, printed on rank 0
+
+
+def test_failing_worker_exit_code_and_last_lines(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('about to fail', flush=True)\n"
+        "    sys.exit(7)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    result = run_cli("run", "--nproc-per-node", "2", str(script), cwd=tmp_path)
+    assert result.returncode == 7, result
+    assert "rank 1 failed with exit code 7" in result.stderr
+    assert "[rank1] about to fail" in result.stderr
+    assert time.monotonic() - start < 45  # the sleeping rank was stopped, not waited for
+
+
+def test_tee_prefixes_ranks(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+    result = run_cli("run", "--nproc-per-node", "2", "--tee", str(script), cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert "[rank0]: hello from 0" in result.stdout
+    assert "[rank1]: hello from 1" in result.stdout
+
+
+def test_sigterm_reaches_every_worker(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, signal, sys, time, pathlib\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "def bye(signum, frame):\n"
+        "    (d / f\"stopped{os.environ['RANK']}\").write_text(str(signum))\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "(d / f\"ready{os.environ['RANK']}\").write_text('')\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
+                             str(script), str(tmp_path)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (out, err)
+    for r in range(2):
+        assert (tmp_path / f"stopped{r}").read_text() == str(int(signal.SIGTERM))
+
+
+def test_two_static_nodes_on_one_machine(tmp_path):
+    """--nnodes 2: two launchers (node ranks 0 and 1) form one 4-process group."""
+    from distrun.testing import free_port
+
+    script = tmp_path / "plain.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    port = str(free_port())
+    common = [sys.executable, "-m", "distrun", "run", "--nnodes", "2", "--nproc-per-node", "2",
+              "--master-addr", "127.0.0.1", "--master-port", port]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*common, "--node-rank", str(n), str(script), str(tmp_path)],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, (out, err)
+    infos = [json.loads(Path(tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [i["sum"] for i in infos] == [6.0] * 4
+    assert [i["GROUP_RANK"] for i in infos] == ["0", "0", "1", "1"]
+    assert [i["LOCAL_RANK"] for i in infos] == ["0", "1", "0", "1"]

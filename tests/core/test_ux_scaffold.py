@@ -1,0 +1,95 @@
+"""`distrun plugin new NAME`: the generated plugin installs with pip, is listed, and its own
+tests pass. It is installed into a throwaway venv layered on this environment
+(--system-site-packages), so concurrent test runs never see a half-installed plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from distrun.testing import run_cli
+
+pytest.importorskip("setuptools", reason="building the plugin needs setuptools")
+
+
+def pip(venv_python: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", "--python", venv_python, *args,
+                           "--disable-pip-version-check", "-q"], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_new_plugin_installs_lists_and_passes_its_tests(tmp_path):
+    result = run_cli("plugin", "new", "step_count", "--summary", "Counts steps", cwd=tmp_path)
+    assert result.returncode == 0, result
+    root = tmp_path / "step_count"
+    expected = {"pyproject.toml", "README.md", "tox.ini", "distrun_step_count/__init__.py",
+                "distrun_step_count/plugin.py", "distrun_step_count/py.typed",
+                "tests/test_step_count.py"}
+    assert {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} == expected
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert meta["project"]["name"] == "distrun-step-count"
+    assert meta["project"]["entry-points"]["distrun"] == {"step_count":
+                                                          "distrun_step_count.plugin"}
+    assert "contrib-step_count: -e plugins_contrib/step_count" in result.stdout
+
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(tmp_path / "venv")], check=True, timeout=120)
+    py = str(tmp_path / "venv" / "bin" / "python")
+    installed = pip(py, "install", "--no-deps", "--no-build-isolation", str(root))
+    assert installed.returncode == 0, installed.stderr
+
+    listed = subprocess.run([py, "-m", "distrun", "plugins"], capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    block = listed.stdout.split("step_count 0.1.0 (distrun-step-count)\n")[1]
+    hooks = [ln.strip() for ln in block.splitlines()[:4]]
+    assert hooks == ["distrun_on_fit_end", "distrun_on_fit_start", "distrun_on_step_end",
+                     "distrun_register_options"]
+    # The generated plugin's own tests, run the way its author would.
+    tests = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(root / "tests")], capture_output=True, text=True, timeout=600,
+                           cwd=tmp_path)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "3 passed" in tests.stdout
+
+    removed = pip(py, "uninstall", "-y", "distrun-step-count")
+    assert removed.returncode == 0, removed.stderr
+    after = subprocess.run([py, "-m", "distrun", "plugins"], capture_output=True, text=True,
+                           timeout=120)
+    assert "step_count" not in after.stdout
+    # It never reached this environment.
+    assert "step_count" not in run_cli("plugins").stdout
+
+
+def test_generated_plugin_is_torch_free_and_lint_clean(tmp_path):
+    run_cli("plugin", "new", "tidy", cwd=tmp_path)
+    plugin = tmp_path / "tidy" / "distrun_tidy" / "plugin.py"
+    code = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('p', "
+            f"{str(plugin)!r}); m = importlib.util.module_from_spec(s); s.loader.exec_module(m);"
+            " print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
+                           "--select", "E,F,W,B,UP", str(tmp_path / "tidy")],
+                          capture_output=True, text=True)
+    if "No module named ruff" in ruff.stderr:
+        pytest.skip("ruff is not installed")
+    assert ruff.returncode == 0, ruff.stdout
+
+
+@pytest.mark.parametrize("name", ["Bad", "9lives", "has-dash", ""])
+def test_bad_names_are_usage_errors(tmp_path, name):
+    result = run_cli("plugin", "new", name, cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"invalid plugin name {name!r}" in result.stderr
+
+
+def test_existing_folder_is_not_overwritten(tmp_path):
+    (tmp_path / "taken").mkdir()
+    result = run_cli("plugin", "new", "taken", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "already exists" in result.stderr

@@ -1,0 +1,139 @@
+"""Test plugin for the elastic tests: a data-parallel strategy, fault injection and records.
+
+Loaded in the launcher and the workers with ``DISTRUN_PLUGINS=elastic_faults`` (this folder on
+PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_RESTART_COUNT
+(the tests run one node when they use it):
+
+- ``EL_KILL_PLAN="attempt:step:rank,..."``: SIGKILL that rank at the end of that step, before
+  any checkpoint of the step is written;
+- ``EL_CKPT_KILL="attempt:step"``: rank 0 SIGKILLs itself while committing the checkpoint of
+  that step (after its files are written, at the rename that would publish it);
+- ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
+- ``EL_RAISE="step:rank"``: that rank raises inside the step, in every attempt;
+- ``EL_RECORD_DIR``: every worker appends its start (attempt, rank, world size, step, cursor,
+  checkpoint) to ``events.jsonl`` and the sample indices of each step to ``samples.jsonl``;
+  rank 0 saves the final weights to ``final.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from distrun import StrategyInfo, hookimpl
+
+
+def _attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _append(name: str, record: dict) -> None:
+    folder = os.environ.get("EL_RECORD_DIR")
+    if folder:
+        with open(os.path.join(folder, name), "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def _make_gradsum(config):
+    import torch
+    import torch.distributed as dist
+    from distrun.base_strategy import BaseStrategy
+
+    class GradSum(BaseStrategy):
+        """Replicated model; gradients averaged over ranks with one all-reduce per tensor."""
+
+        name = "gradsum"
+
+        def optimizer_step(self, optimizer):
+            if self.distributed:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad)
+                            p.grad.div_(self.world_size)
+            optimizer.step()
+
+        def wrap_model(self, model):
+            model = model.to(self.device)
+            if self.distributed:  # every rank starts from rank 0's weights
+                with torch.no_grad():
+                    for t in model.state_dict().values():
+                        dist.broadcast(t, src=0)
+            return model
+
+    return GradSum(config)
+
+
+@hookimpl
+def distrun_register_strategies(register):
+    register(StrategyInfo("gradsum", _make_gradsum, help="test strategy: averaged gradients",
+                          plugin="elastic_faults"))
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    _append("events.jsonl", {
+        "pid": os.getpid(), "node": os.environ.get("EL_NODE", ""), "attempt": int(_attempt()),
+        "rank": run.rank, "world": run.world_size, "step": run.progress.step,
+        "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler else None,
+        "resumed_from": run.resumed_from, "master_addr": os.environ.get("MASTER_ADDR"),
+    })
+
+
+@hookimpl(wrapper=True)
+def distrun_training_step(run, batch):
+    step = run.progress.step + 1
+    stall = os.environ.get("EL_STALL", "")
+    if stall:
+        attempt, at, rank = stall.split(":")
+        if attempt == _attempt() and int(at) == step and int(rank) == run.rank:
+            time.sleep(3600)
+    failure = os.environ.get("EL_RAISE", "")
+    if failure and failure == f"{step}:{run.rank}":
+        raise RuntimeError(f"injected failure at step {step}")
+    _append("samples.jsonl", {"attempt": int(_attempt()), "rank": run.rank, "step": step,
+                              "world": run.world_size, "idx": batch[2].tolist()})
+    return (yield)
+
+
+@hookimpl(tryfirst=True)
+def distrun_on_step_end(run, step):
+    for item in filter(None, os.environ.get("EL_KILL_PLAN", "").split(",")):
+        attempt, at, rank = item.split(":")
+        if attempt == _attempt() and int(at) == step and int(rank) == run.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hookimpl(wrapper=True)
+def distrun_save_checkpoint(run, reason):
+    spec = os.environ.get("EL_CKPT_KILL", "")
+    if spec and run.rank == 0:
+        attempt, at = spec.split(":")
+        if attempt == _attempt() and int(at) == run.progress.step:
+            _die_at_commit()
+    return (yield)
+
+
+def _die_at_commit() -> None:
+    """Make the next rename of a checkpoint's temporary folder kill this process instead."""
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def patched(src, dst, *a, _real=real, **kw):
+            if os.path.basename(str(src)).startswith(".tmp"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(src, dst, *a, **kw)
+
+        setattr(os, name, patched)
+
+
+@hookimpl
+def distrun_on_fit_end(run):
+    folder = os.environ.get("EL_RECORD_DIR")
+    if folder and run.is_global_zero:
+        import torch
+
+        state = {k: v.detach().clone() for k, v in run.unwrapped_model().state_dict().items()}
+        torch.save(state, os.path.join(folder, "final.pt"))

@@ -1,0 +1,114 @@
+"""A tiny residual MLP-block model and the helpers the fsdp tests run on spawned ranks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import distrun
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def make_data(n: int = 128, seed: int = 0) -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class BlocksTask(distrun.Task):
+    def __init__(self, lr: float = 3e-3) -> None:
+        self.lr = lr
+        self.data = make_data()
+
+    def configure_model(self) -> nn.Module:
+        return Net()
+
+    def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr)
+
+    def train_data(self) -> Any:
+        return self.data
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+
+class Recorder:
+    """A plugin keeping the reduced loss of every logged step and the final full weights."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.final: dict[str, Any] = {}
+
+    @distrun.hookimpl
+    def distrun_on_fit_end(self, run: Any) -> None:
+        # while the process group is still up: gathering DTensors is a collective
+        self.final = {
+            "state": full_state(run.unwrapped_model()),
+            "param_types": sorted({type(p).__name__ for p in run.model.parameters()}),
+            "opt_state_types": sorted({type(v).__name__ for s in run.optimizer.state.values()
+                                       for v in s.values() if isinstance(v, torch.Tensor)}),
+        }
+
+    @distrun.hookimpl
+    def distrun_log_metrics(self, run: Any, step: int, metrics: Any) -> None:
+        if "loss" in metrics:
+            self.losses.append(metrics["loss"])
+
+
+def full_state(model: nn.Module) -> dict[str, list]:
+    """The model's state_dict as nested lists (DTensors gathered), safe to send between processes."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[key] = value.detach().double().tolist()
+    return out
+
+
+def train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Train BlocksTask with ``options`` on this rank; the losses and full final weights."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.pop("DISTRUN_CONFIG", None)
+    # only the plugins under test (not whatever else is installed)
+    os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_fsdp.plugin")
+    rec = Recorder()
+    opts = dict(max_steps=6, batch_size=16, log_every_n_steps=1, summary=False,
+                timeout=120.0, run_dir=options.pop("run_dir", "runs/fsdp-test"))
+    opts.update(options)
+    run = distrun.Trainer(plugins=(rec,), **opts).fit(BlocksTask())
+    return {"losses": rec.losses, "dp": (run.strategy.dp_rank, run.strategy.dp_world_size),
+            **rec.final}

@@ -1,0 +1,145 @@
+"""Models in the layouts of every strategy, built directly with torch.distributed.tensor.
+
+``plain`` is what single and DDP hold (a full replica per rank), ``fsdp`` is FSDP2's
+``fully_shard`` (Shard(0) DTensors), ``tp`` is ColwiseParallel/RowwiseParallel (Shard(0),
+Shard(1) and Replicate), ``fsdp_tp`` is 2-D (dp x tp). Dimensions are odd on purpose so
+shards are uneven. Used by the layout matrix test through ``run_on_ranks``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module.*")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 10)
+        self.fc2 = nn.Linear(10, 5)
+        self.register_buffer("scale", torch.arange(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh model in ``layout`` on the current process group, and its AdamW."""
+    torch.manual_seed(seed)
+    model = MLP()
+    if layout in ("tp", "fsdp", "fsdp_tp"):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        world = dist.get_world_size()
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        if layout == "tp":
+            parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+        elif layout == "fsdp":
+            mesh = init_device_mesh("cpu", (world,))
+            fully_shard(model.fc1, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], plan)
+            fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """One identical step on every rank (same batch everywhere keeps replicas equal)."""
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full(t: Any) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
+    return t.detach().clone()
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor, gathered to full tensors (test-only comparison)."""
+    out = {f"model/{k}": full(v) for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{names[id(p)]}/{k}"] = full(v)
+    return out
+
+
+def save_layout(layout: str, directory: str, seed: int, steps: int = 2) -> dict[str, Any]:
+    """Train ``steps`` steps in ``layout`` and save; return the full tensors saved."""
+    from distrun_safetensors.save import Checkpointer
+
+    model, opt = build(layout, seed)
+    for i in range(steps):
+        train_step(model, opt, seed * 100 + i)
+    with torch.no_grad():  # make the buffer distinct from its initial value
+        model.scale.add_(seed)
+    rank = int(os.environ.get("RANK", "0"))
+    saver = Checkpointer(directory, split_bytes=64)
+    path = saver.save(steps, model, opt, {"progress": {"step": steps}, "who": rank},
+                      reason="test")
+    return {"path": path, "tensors": full_state(model, opt)}
+
+
+def load_layout(layout: str, path: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """Load ``path`` into a fresh ``layout`` model (seeded differently); return its full
+    tensors and the ``who`` entry of the contributed state this rank got back."""
+    from distrun_safetensors.load import load
+
+    model, opt = build(layout, seed=99)
+    result = load(path, model, opt)
+    assert result is not None
+    return full_state(model, opt), result.state.get("who")
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors are not bit-identical (empty when all match)."""
+    bad = [k for k in want if k not in got]
+    bad += [k for k in got if k not in want]
+    for k in want:
+        if k in got and not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])):
+            bad.append(k)
+    return bad
+
+
+# -- rank functions for run_on_ranks (module level so spawn can import them) -----------------
+
+
+def rank_save_and_load(rank: int, world: int, root: str, saves: list[tuple[str, int]],
+                       loads: list[str], sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Save each ``(layout, seed)`` into ``root/<layout>x<world>``, then load every source
+    (given and just saved) into each layout of ``loads``; return mismatches per cell."""
+    saved = {}
+    for layout, seed in saves:
+        key = f"{layout}x{world}"
+        saved[key] = save_layout(layout, os.path.join(root, key), seed)
+    all_sources = {**sources, **saved}
+    cells = {}
+    for layout in loads:
+        for key, ref in all_sources.items():
+            got, who = load_layout(layout, ref["path"])
+            bad = compare(got, ref["tensors"])
+            saved_world = int(key.rpartition("x")[2])
+            # contributed state: this rank's own when the world size matches, else rank 0's
+            if who != (rank if saved_world == world else 0):
+                bad.append(f"state.who={who}")
+            cells[f"{key} -> {layout}x{world}"] = bad
+    return {"cells": cells, "saved": saved if rank == 0 else {}}

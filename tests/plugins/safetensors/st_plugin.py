@@ -1,0 +1,80 @@
+"""Test-only strategies for the safetensors tests, so they run with core + this plugin alone.
+
+``st_ddp`` is the base strategy plus a gradient all-reduce (a replica per rank, like DDP);
+``st_fsdp`` shards the model with FSDP2's ``fully_shard`` (DTensor Shard(0) parameters).
+Loaded with ``DISTRUN_PLUGINS=st_plugin`` or ``Trainer(plugins=(st_plugin,))``.
+``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end.
+"""
+
+from __future__ import annotations
+
+import os
+
+from distrun import StrategyInfo, hookimpl
+
+
+def _make_ddp(config):
+    import torch.distributed as dist
+    from distrun.base_strategy import BaseStrategy
+
+    class ReplicaStrategy(BaseStrategy):
+        name = "st_ddp"
+
+        def wrap_model(self, model):
+            self._model = model.to(self.device)
+            return self._model
+
+        def optimizer_step(self, optimizer):
+            if self.distributed:
+                for p in self._model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad /= self.world_size
+            optimizer.step()
+
+    return ReplicaStrategy(config)
+
+
+def _make_fsdp(config):
+    from distrun.base_strategy import BaseStrategy
+
+    class ShardStrategy(BaseStrategy):
+        name = "st_fsdp"
+
+        def wrap_model(self, model):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            for child in model.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
+
+    return ShardStrategy(config)
+
+
+@hookimpl
+def distrun_register_strategies(register):
+    register(StrategyInfo("st_ddp", _make_ddp, help="test: replicas + grad all-reduce",
+                          plugin="st_plugin"))
+    register(StrategyInfo("st_fsdp", _make_fsdp, help="test: FSDP2 fully_shard",
+                          plugin="st_plugin"))
+
+
+def final_weights(run):
+    out = {}
+    for k, v in run.unwrapped_model().state_dict().items():
+        out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+    return out
+
+
+@hookimpl
+def distrun_on_fit_end(run):
+    path = os.environ.get("ST_SAVE")
+    if path:
+        weights = final_weights(run)
+        if run.is_global_zero:
+            from safetensors.torch import save_file
+
+            save_file(weights, path)

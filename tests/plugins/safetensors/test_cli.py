@@ -1,0 +1,93 @@
+"""As a user would: `distrun run` on 2 ranks with checkpoints, a kill -9 during a save, resume,
+and `distrun ckpt ls | inspect | verify | consolidate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from distrun.testing import run_cli
+
+HERE = Path(__file__).resolve().parent
+TASK = f"{HERE / 'st_task.py'}:Task"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            "DISTRUN_PLUGINS": "st_plugin", "DISTRUN_TIMEOUT": "120", **extra}
+
+
+def _train(run_dir: Path, *flags: str, **env: str):
+    return run_cli("run", "--nproc-per-node", "2", "--strategy", "st_ddp", "--batch-size", "8",
+                   "--seed", "3", "--max-epochs", "3", "--ckpt-every-n-steps", "2",
+                   "--run-dir", str(run_dir), *flags, TASK, env=_env(**env), timeout=400)
+
+
+def test_train_kill_resume_and_ckpt_commands(tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    first = _train(run_dir, "--max-steps", "4")
+    assert first.returncode == 0, first
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-2", "step-4"]
+
+    # rank 1 is killed (-9) right after writing its 2nd file of the step-6 save
+    killed = _train(run_dir, "--max-steps", "8", "--resume", "latest",
+                    DISTRUN_CKPT_TEST_KILL_AT="2@1")
+    assert killed.returncode != 0, killed
+    assert (ckpts / "latest").read_text().strip() == "step-4"
+    verify = run_cli("ckpt", "verify", str(ckpts))
+    assert verify.returncode == 0, verify
+    assert "OK" in verify.stdout and "BAD" not in verify.stdout
+
+    final = tmp_path / "final.safetensors"
+    resumed = _train(run_dir, "--max-steps", "8", "--resume", "latest", ST_SAVE=str(final))
+    assert resumed.returncode == 0, resumed
+    assert f"Resumed from {ckpts / 'step-4'} at step 4" in resumed.output
+    assert (ckpts / "latest").read_text().strip() == "step-8"
+
+    listing = run_cli("ckpt", "ls", str(run_dir))
+    assert listing.returncode == 0, listing
+    lines = listing.stdout.splitlines()
+    assert lines[0].startswith("* step-8") and "2 rank(s)" in lines[0], listing.stdout
+
+    shown = run_cli("ckpt", "inspect", str(ckpts / "step-8"))
+    assert shown.returncode == 0, shown
+    assert "step 8" in shown.stdout and "saved by 2 rank(s), strategy st_ddp" in shown.stdout
+    assert "0.weight" in shown.stdout and "F32" in shown.stdout and "[32, 6]" in shown.stdout
+
+    out = tmp_path / "hf"
+    merged = run_cli("ckpt", "consolidate", str(ckpts), str(out), "--max-shard-size", "500B")
+    assert merged.returncode == 0, merged
+    from safetensors.torch import load_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(str(out / shard)))
+    want = load_file(str(final))
+    assert set(loaded) == set(want) == set(index["weight_map"])
+    assert all(torch.equal(loaded[k], want[k]) for k in want)
+
+    # a flipped byte: verify names the file and fails; resume falls back with a warning
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpts, broken)
+    data = broken / "step-8" / "model-00001-of-00002.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    bad = run_cli("ckpt", "verify", str(broken / "step-8"))
+    assert bad.returncode == 2, bad
+    assert "model-00001-of-00002.safetensors: checksum mismatch" in bad.stdout
+    assert "error: 1 of 1 checkpoint(s) failed verification" in bad.stderr
+
+
+def test_resume_latest_without_checkpoint_is_one_clear_error(tmp_path):
+    result = run_cli("run", "--resume", "latest", "--run-dir", str(tmp_path / "empty"),
+                     "--max-steps", "1", TASK, env=_env(), timeout=300)
+    assert result.returncode == 2, result
+    assert "error: no checkpoint found in" in result.stderr
+    assert "Traceback" not in result.output

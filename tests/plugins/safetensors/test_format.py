@@ -1,0 +1,151 @@
+"""One process: the folder format, HF interop, state codec, retention and `latest` fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distrun_safetensors.files import CheckpointError
+from distrun_safetensors.load import load
+from distrun_safetensors.manifest import VERSION, validate
+from distrun_safetensors.save import Checkpointer
+from distrun_safetensors.statecodec import decode, encode
+from st_layouts import build, compare, full_state, train_step
+
+
+def _saved(tmp_path, steps=(1,), keep_last=0, **kw):
+    model, opt = build("plain")
+    saver = Checkpointer(str(tmp_path / "ckpt"), keep_last=keep_last, **kw)
+    paths = []
+    for step in steps:
+        train_step(model, opt, step)
+        paths.append(saver.save(step, model, opt, {"progress": {"step": step}}))
+    return model, opt, paths
+
+
+def test_folder_has_hf_index_manifest_and_no_pickle(tmp_path):
+    model, opt, (path,) = _saved(tmp_path)
+    names = sorted(os.listdir(path))
+    assert all(n.endswith((".json", ".safetensors")) for n in names), names
+    manifest = json.loads((tmp_path / "ckpt/step-1/manifest.json").read_text())
+    assert manifest["version"] == VERSION and manifest["step"] == 1
+    assert set(manifest["files"]) == set(names) - {"manifest.json"}
+    index = json.loads((tmp_path / "ckpt/step-1/model.safetensors.index.json").read_text())
+    sd = model.state_dict()
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in sd.values())
+    assert set(index["distrun"]["tensors"]) == set(sd)
+    from safetensors import safe_open
+
+    for key, fname in index["weight_map"].items():
+        with safe_open(os.path.join(path, fname), "pt") as f:
+            assert key in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    assert (tmp_path / "ckpt/latest").read_text().strip() == "step-1"
+
+
+def test_consolidate_interop_with_safetensors_load_file(tmp_path):
+    from distrun_safetensors.consolidate import consolidate
+    from safetensors.torch import load_file
+
+    model, _, (path,) = _saved(tmp_path, split_bytes=16)  # force many pieces per tensor
+    out = tmp_path / "hf"
+    index = consolidate(path, str(out), max_shard_bytes=200)
+    on_disk = json.loads((out / "model.safetensors.index.json").read_text())
+    assert on_disk["weight_map"] == index["weight_map"]
+    shards = sorted(set(on_disk["weight_map"].values()))
+    assert len(shards) > 1
+    loaded = {}
+    for shard in shards:
+        loaded.update(load_file(str(out / shard)))
+    sd = model.state_dict()
+    assert set(loaded) == set(sd) == set(on_disk["weight_map"])
+    assert on_disk["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                    for t in loaded.values())
+    for k, v in sd.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_state_codec_round_trip_and_refusal():
+    state = {"rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)},
+             "ints": {1: "a", 2: [1.5, float("inf")]}, "nested": [{"t": torch.arange(3)}]}
+    tensors: dict = {}
+    encoded = json.loads(json.dumps(encode(state, "s", tensors)))
+    back = decode(encoded, tensors.__getitem__)
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"])
+    assert back["rng"]["python"] == (3, (1, 2), None)
+    assert back["ints"] == {1: "a", 2: [1.5, float("inf")]}
+    assert torch.equal(back["nested"][0]["t"], torch.arange(3))
+    with pytest.raises(CheckpointError, match=r"'s.bad' is a object"):
+        encode({"bad": object()}, "s", {})
+
+
+def test_round_trip_restores_model_optimizer_and_state(tmp_path):
+    model, opt, (path,) = _saved(tmp_path)
+    want = full_state(model, opt)
+    fresh, fresh_opt = build("plain", seed=5)
+    result = load(path, fresh, fresh_opt)
+    assert compare(full_state(fresh, fresh_opt), want) == []
+    assert result.state == {"progress": {"step": 1}} and result.step == 1
+    # the optimizer goes on exactly as the original would
+    train_step(model, opt, 9)
+    train_step(fresh, fresh_opt, 9)
+    assert compare(full_state(fresh, fresh_opt), full_state(model, opt)) == []
+
+
+def test_keep_last_prunes_only_after_commit_and_cleans_leftovers(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    stale = tmp_path / "ckpt" / ".tmp-step-0-deadbeef"
+    stale.mkdir()
+    _, _, paths = _saved(tmp_path, steps=(1, 2, 3, 4), keep_last=2)
+    left = sorted(os.listdir(tmp_path / "ckpt"))
+    assert left == ["latest", "step-3", "step-4"]
+    assert (tmp_path / "ckpt/latest").read_text().strip() == "step-4"
+
+
+def test_auto_with_nothing_returns_none(tmp_path):
+    model, opt = build("plain")
+    assert load("auto", model, opt, ckpt_dir=str(tmp_path / "none")) is None
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".tmp-step-3-0000").mkdir()  # a crash during the very first save
+    assert load("auto", model, opt, ckpt_dir=str(tmp_path / "ckpt")) is None
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        load("latest", model, opt, ckpt_dir=str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "torn", "pointer"])
+def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path, caplog, damage):
+    model, opt, paths = _saved(tmp_path, steps=(1, 2))
+    newest = tmp_path / "ckpt" / "step-2"
+    if damage == "corrupt":
+        data = newest / "model-00001-of-00001.safetensors"
+        raw = bytearray(data.read_bytes())
+        raw[-3] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        reason = "model-00001-of-00001.safetensors: checksum mismatch"
+    elif damage == "torn":
+        (newest / "manifest.json").unlink()
+        reason = "manifest.json is missing"
+    else:
+        (tmp_path / "ckpt" / "latest").write_text("step-9\n")
+        reason = "names step-9, which does not exist"
+    fresh, fresh_opt = build("plain", seed=3)
+    with caplog.at_level(logging.WARNING, logger="distrun"):
+        result = load("latest", fresh, fresh_opt, ckpt_dir=str(tmp_path / "ckpt"))
+    want_step = 1 if damage != "pointer" else 2
+    assert result.step == want_step
+    assert reason in caplog.text
+
+
+def test_verify_off_skips_checksums(tmp_path):
+    _, _, (path,) = _saved(tmp_path)
+    data = os.path.join(path, "optim-00001-of-00001.safetensors")
+    raw = bytearray(Path(data).read_bytes())
+    raw[-1] ^= 0x01
+    Path(data).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        validate(path)
+    validate(path, verify=False)  # the fast mode trusts the bytes
