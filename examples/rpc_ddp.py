@@ -42,7 +42,7 @@ class BagsTask(distrun.Task):
         return nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, CLASSES))
 
     def configure_optimizer(self, params):
-        return torch.optim.SGD(params, lr=0.5)
+        return torch.optim.Adam(params, lr=0.02)
 
     def train_data(self):
         return self.train_set

@@ -59,5 +59,9 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
         backend=backend, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=config.timeout), **kwargs,
     )
-    log.info("Initializing distributed: GLOBAL_RANK: %d, MEMBER: %d/%d", rank, rank + 1, world)
+    # Every rank says it joined (as Lightning does); rank 0 then says the group is complete.
+    print(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}",
+          flush=True)
+    if rank == 0:
+        log.info("distributed_backend=%s: all %d processes registered", backend, world)
     return True

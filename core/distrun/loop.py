@@ -183,10 +183,12 @@ def _await_ranks(run: Run, epoch: int) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     key = f"distrun/epoch_end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{epoch}"
-    if store.add(key, 1) == run.world_size:
-        store.set(key + "/all", "1")
+    arrived = store.add(key, 1)  # counts on across fits that share one process group
+    done = f"{key}/{(arrived - 1) // run.world_size}"
+    if arrived % run.world_size == 0:
+        store.set(done, "1")
     try:
-        store.wait([key + "/all"], datetime.timedelta(seconds=run.config.timeout))
+        store.wait([done], datetime.timedelta(seconds=run.config.timeout))
     except RuntimeError:
         raise TimeoutError(f"rank {run.rank} finished epoch {epoch} but the other ranks did "
                            f"not within the {run.config.timeout:g}s timeout") from None

@@ -17,7 +17,8 @@ from typing import Any
 
 from distrun.markers import hookimpl
 
-__all__ = ["CONFIG_FILE", "LOG_DIR", "value_sources", "write_config"]
+__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "render_config", "value_sources",
+           "write_config"]
 
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
@@ -40,19 +41,38 @@ def value_sources(config: Any) -> dict[str, str]:
     return sources
 
 
-def write_config(config: Any, path: str) -> None:
-    """Write ``config`` as TOML with sources to ``path`` (atomically)."""
-    from distrun.configcmd import render_toml
-    from distrun.plugins import get_plugin_manager
-    from distrun.registry import collect_options
+def config_options(config: Any) -> list[Any]:
+    """Option declarations for rendering ``config`` without calling any hook again.
 
-    options = collect_options(get_plugin_manager())
+    Core fields keep their help and order; plugin options are listed under "plugins" (a
+    worker has their values, not their declarations, and must not re-run
+    ``distrun_register_options``).
+    """
+    from distrun.config import core_options
+    from distrun.options import Option
+
+    core = core_options()
+    names = {o.name for o in core}
+    return core + [Option(name=n, plugin="plugins") for n in config.plugin_options
+                   if n not in names]
+
+
+def render_config(config: Any, options: list[Any] | None = None, header: str = "") -> str:
+    """``config`` as TOML with each value's source (see :func:`distrun.configcmd.render_toml`)."""
+    from distrun.configcmd import render_toml
+
+    options = config_options(config) if options is None else options
+    return render_toml(options, config.as_dict(), value_sources(config), header=header)
+
+
+def write_config(config: Any, path: str, options: list[Any] | None = None) -> None:
+    """Write ``config`` as TOML with sources to ``path`` (atomically)."""
     command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
     header = (f"Resolved config of run {config.name!r}, written "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
               f"Each value's source follows it. Load again with "
               f"`distrun run --config {path} ...`.")
-    text = render_toml(options, config.as_dict(), value_sources(config), header=header)
+    text = render_config(config, options, header=header)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -64,7 +84,12 @@ def write_config(config: Any, path: str) -> None:
 def distrun_launch(config, command, environ):
     # The launcher knows every value's source, and runs for torchrun scripts too.
     if config.node_rank == 0 and config.run_dir:
-        write_config(config, os.path.join(config.run_dir, CONFIG_FILE))
+        from distrun.plugins import get_plugin_manager
+        from distrun.registry import collect_options
+
+        # The launcher has the declarations: group plugin options by plugin, with help.
+        options = collect_options(get_plugin_manager())
+        write_config(config, os.path.join(config.run_dir, CONFIG_FILE), options)
     return (yield)
 
 

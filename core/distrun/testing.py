@@ -10,9 +10,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -107,18 +109,35 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    reported: set[int] = set()
+    first_error = float("inf")
     try:
-        for _ in procs:
+        deadline = time.monotonic() + timeout + 30
+        while len(reported) < world_size:
+            if errors and time.monotonic() > min(deadline, first_error + 10.0):
+                break  # a rank failed: the others get a moment to report, not a full timeout
             try:
-                rank, ok, value = queue.get(timeout=timeout + 30)
-            except Exception:
-                errors.append(f"timed out after {timeout}s waiting for ranks "
-                              f"{sorted(set(range(world_size)) - set(results))}")
-                break
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - set(results) - reported)
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    # A rank that died without reporting (crash at import, os._exit, kill).
+                    time.sleep(1.0)  # let a result already in flight arrive first
+                    if queue.empty():
+                        errors.append(f"ranks {dead} exited with codes "
+                                      f"{[procs[r].exitcode for r in dead]} without a result")
+                        break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
+                    break
+                continue
+            reported.add(rank)
             if ok:
                 results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
+                first_error = min(first_error, time.monotonic())
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -15,6 +15,7 @@ import tomllib
 
 from distrun.testing import run_cli
 
+TINY = str(Path(__file__).resolve().parent / "tiny_task.py")
 # tiny_task: 256 samples; --batch-size 32 -> 8 steps per epoch, validation at each epoch end.
 FLAGS = ("-p", "no:progress", "run", "--max-epochs", "2", "--batch-size", "32",
          "--log-every-n-steps", "4", "--no-summary")
@@ -23,8 +24,6 @@ FLAGS = ("-p", "no:progress", "run", "--max-epochs", "2", "--batch-size", "32",
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One run of the tiny task: (folder, result)."""
-    from conftest import TINY
-
     cwd = tmp_path_factory.mktemp("rf")
     result = run_cli(*FLAGS, "--name", "tiny", "--seed", "3", TINY, cwd=cwd,
                      env={"DISTRUN_GRAD_CLIP": "1.5"})
@@ -95,8 +94,6 @@ def test_logs_per_rank(tmp_path):
 
 
 def test_no_console_and_no_csv(tmp_path):
-    from conftest import TINY
-
     result = run_cli("-p", "no:progress", "run", "--max-steps", "4", "--log-every-n-steps", "2",
                      "--no-console", "--no-csv", "--run-dir", "out", "--no-summary", TINY,
                      cwd=tmp_path)
@@ -109,8 +106,6 @@ def test_no_console_and_no_csv(tmp_path):
 def test_direct_python_run_writes_its_folder(tmp_path):
     """`python train.py` (no launcher): rank 0 writes config.toml and metrics.csv itself."""
 
-    from conftest import TINY
-
     env = {"DISTRUN_RUN_DIR": str(tmp_path / "direct"), "DISTRUN_MAX_STEPS": "4",
            "DISTRUN_LOG_EVERY_N_STEPS": "2", "DISTRUN_BLOCK_PLUGINS": "progress",
            "OMP_NUM_THREADS": "1"}
@@ -120,4 +115,30 @@ def test_direct_python_run_writes_its_folder(tmp_path):
     text = (tmp_path / "direct" / "config.toml").read_text()
     assert "max_steps = 4  # DISTRUN_MAX_STEPS" in text
     assert "max_epochs = 2  # code" in text
-    assert (Path(tmp_path / "direct" / "metrics.csv").read_text().count("\n")) == 3
+    with open(tmp_path / "direct" / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    # Two log steps, then the final validation.
+    assert [(r["step"], bool(r["loss"]), bool(r["val_loss"])) for r in rows] == [
+        ("2", True, False), ("4", True, False), ("4", False, True)]
+
+
+def test_resume_keeps_metrics_csv_as_one_run(tmp_path):
+    pytest.importorskip("distrun_safetensors", reason="resuming needs a checkpoint plugin")
+    common = ("-p", "no:progress", "run", "--name", "r", "--batch-size", "32",
+              "--log-every-n-steps", "2", "--no-summary")
+    first = run_cli(*common, "--max-steps", "8", "--ckpt-every-n-steps", "3", TINY, cwd=tmp_path)
+    assert first.returncode == 0, first
+    before = (tmp_path / "runs" / "r" / "metrics.csv").read_text().splitlines()
+    second = run_cli(*common, "--max-steps", "12", "--resume", "auto", TINY, cwd=tmp_path)
+    assert second.returncode == 0, second
+    assert "Resumed from" in second.stdout and "at step 6" in second.stdout
+    with open(tmp_path / "runs" / "r" / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    # Steps 2..6 kept from the first run, 8 written again by the resumed run, no duplicates.
+    train = [int(r["step"]) for r in rows if r["loss"]]
+    assert train == [2, 4, 6, 8, 10, 12]
+    assert [int(r["step"]) for r in rows if r["val_loss"]] == [8, 12]
+    # The replayed step 8 logs the same loss as the first run did (bit-exact resume).
+    first_8 = next(r for r in csv.DictReader(before) if r["step"] == "8" and r["loss"])
+    again_8 = next(r for r in rows if r["step"] == "8" and r["loss"])
+    assert first_8["loss"] == again_8["loss"]

@@ -25,9 +25,6 @@ import sys
 import time
 from typing import Any
 
-from distrun.errors import DistrunError
-from distrun.launcher import report_failure
-from distrun.run import EXIT_REQUEUE
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -39,6 +36,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from distrun.errors import DistrunError
+from distrun.launcher import report_failure
+from distrun.run import EXIT_REQUEUE
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
 

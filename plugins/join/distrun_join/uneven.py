@@ -9,6 +9,9 @@ Two ways, chosen per epoch by :func:`choose_mode`:
 - ``agree``: the ranks agree on the epoch's length before using a batch (an all-reduce MIN of
   ``len()`` once, or of a have-a-batch flag per batch for iterables without a length), so every
   collective of every step is matched; the batches beyond the smallest rank's count are dropped.
+
+With ``grad_accum > 1`` under Join, each rank's trailing batches that do not fill a whole
+accumulation group are dropped (see :class:`WholeGroups`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from distrun.config import with_values
 from distrun.run import Run
 from torch.distributed.algorithms.join import Join, Joinable
 
-__all__ = ["Lockstep", "choose_mode", "joinables", "uneven_epoch"]
+__all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 
 log = logging.getLogger("distrun")
 
@@ -89,6 +92,9 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
     run.config = with_values(cfg, source="join", log_every_n_steps=_NEVER, val_every_n_steps=0)
     join = Join(found, throw_on_early_termination=cfg.join_throw_on_early_termination,
                 divide_by_initial_world_size=cfg.join_divide_by_initial_world_size)
+    loader = run.train_loader
+    if cfg.grad_accum > 1:
+        run.train_loader = WholeGroups(loader, cfg.grad_accum)
     try:
         with join:
             yield
@@ -104,6 +110,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
         raise
     finally:
         run.config = cfg
+        run.train_loader = loader
     _resync(run, found)
 
 
@@ -143,6 +150,26 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     return value
+
+
+class WholeGroups:
+    """Only whole accumulation groups of ``data``: a rank's trailing partial group is dropped.
+
+    Under Join, ranks still training must all-reduce at the same micro-steps; a partial last
+    group would make its rank all-reduce where the others skip (``no_sync``).
+    """
+
+    def __init__(self, data: Iterable[Any], size: int) -> None:
+        self.data = data
+        self.size = size
+
+    def __iter__(self) -> Iterator[Any]:
+        group: list[Any] = []
+        for batch in self.data:
+            group.append(batch)
+            if len(group) == self.size:
+                yield from group
+                group = []
 
 
 class Lockstep:

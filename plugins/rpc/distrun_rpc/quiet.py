@@ -6,7 +6,7 @@
 ``torch.jit.script`` call: we silence exactly these messages, only around our own calls.
 ``init_rpc`` also warns about its own use of a gloo backend. DistributedOptimizer's notice
 about scripted functional optimizers cannot be filtered (torch forces it on): we avoid that
-path altogether by giving it a plain optimizer factory (see ``server.SharedOptimizer``).
+path altogether by giving it a plain optimizer factory (see ``server.OptimizerFactory``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-__all__ = ["OptimizerFactory", "ServerState", "install", "optim_state_from_plain", "optim_state_to_plain"]
+__all__ = ["OptimizerFactory", "ServerState", "install", "install_trainer_optimizer",
+           "optim_state_by_name",
+           "optim_state_from_names"]
 
 _STATE: ServerState | None = None
 
@@ -96,13 +98,18 @@ class ServerState:
                 state["module"] = {k: v.detach().clone()
                                    for k, v in self.module.state_dict().items()}
             if self.optimizer is not None:
-                state["optimizer"] = optim_state_to_plain(self.optimizer.state_dict())
+                state["optimizer"] = optim_state_by_name(self.optimizer, self.named_params())
             return state
+
+    def named_params(self) -> list[tuple[str, nn.Parameter]]:
+        if self.module is not None:
+            return list(self.module.named_parameters())
+        return list(zip(self.names, self.params))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         with self.lock, torch.no_grad():
             params = state.get("params", {})
-            missing = sorted(set(self.names) - set(params)) if params else []
+            missing = [n for n in self.names if n not in params]
             if missing:
                 raise RuntimeError(f"parameter server {self.index}: the checkpoint lacks "
                                    f"{', '.join(missing)}")
@@ -112,7 +119,8 @@ class ServerState:
             if self.module is not None and "module" in state:
                 self.module.load_state_dict(dict(state["module"]))
             if self.optimizer is not None and "optimizer" in state:
-                self.optimizer.load_state_dict(optim_state_from_plain(state["optimizer"]))
+                self.optimizer.load_state_dict(optim_state_from_names(
+                    self.optimizer, self.named_params(), state["optimizer"]))
 
 
 def install(state: ServerState | None) -> None:
@@ -180,10 +188,11 @@ class OptimizerFactory:
     """The ``optimizer_class`` trainers hand to DistributedOptimizer.
 
     On a server it returns the server's own optimizer (built from the task, shared by every
-    trainer, so its state is one and checkpointable); torch's ``_LocalOptimizer`` serialises the
-    steps with a lock. Elsewhere (a trainer's local dense parameters) it builds ``cls(params)``.
-    Being no torch optimizer class, it also keeps DistributedOptimizer off its deprecated
-    TorchScript path.
+    trainer, so its state is one and checkpointable); on a trainer (RPC + DDP's dense part) the
+    trainer's ``run.optimizer`` installed with :func:`install_trainer_optimizer`, so the loop
+    and checkpoints see the optimizer that really steps. torch's ``_LocalOptimizer`` sets the
+    gradients from the step's context and serialises steps with a lock. Being no torch
+    optimizer class, it also keeps DistributedOptimizer off its deprecated TorchScript path.
     """
 
     def __init__(self, cls: type, kwargs: Mapping[str, Any]) -> None:
@@ -193,38 +202,66 @@ class OptimizerFactory:
     def __call__(self, params: list[torch.Tensor]) -> Any:
         st = _STATE
         if st is not None and st.optimizer is not None:
-            return _SharedStep(st)
+            return _Stepper(st.optimizer, st.lock, st)
+        if _TRAINER_OPTIMIZER is not None:
+            return _Stepper(_TRAINER_OPTIMIZER, threading.Lock(), None)
         return self.cls(params, **self.kwargs)
 
 
-class _SharedStep:
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+class _Stepper:
+    def __init__(self, optimizer: torch.optim.Optimizer, lock: Any,
+                 counter: ServerState | None) -> None:
+        self.optimizer, self.lock, self.counter = optimizer, lock, counter
 
     def step(self) -> None:
-        # _LocalOptimizer set .grad from this trainer's context for the params it touched.
-        with self.state.lock:
-            self.state.optimizer.step()
-            self.state.optimizer.zero_grad(set_to_none=True)
-            self.state.updates += 1
+        with self.lock:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.counter is not None:
+                self.counter.updates += 1
 
 
-# -- optimizer state as JSON-able values and tensors (checkpoint contract) ----------------------
+_TRAINER_OPTIMIZER: torch.optim.Optimizer | None = None
 
 
-def optim_state_to_plain(sd: Mapping[str, Any]) -> dict[str, Any]:
-    return {"state": {str(k): dict(v) for k, v in sd["state"].items()},
-            "param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
-                             for g in sd["param_groups"]]}
+def install_trainer_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """The optimizer DistributedOptimizer steps for this trainer's own parameters."""
+    global _TRAINER_OPTIMIZER
+    _TRAINER_OPTIMIZER = optimizer
 
 
-def optim_state_from_plain(plain: Mapping[str, Any]) -> dict[str, Any]:
+# -- optimizer state keyed by parameter name: JSON-able and independent of the shard layout -----
+
+
+def optim_state_by_name(optimizer: torch.optim.Optimizer,
+                        named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+    """``{"state": {param name: {key: tensor}}, "hyper": [group settings]}``."""
+    names = {id(p): n for n, p in named}
+    sd = optimizer.state_dict()
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {order[int(i)]: {k: t.detach().clone() if isinstance(t, torch.Tensor) else t
+                             for k, t in v.items()}
+             for i, v in sd["state"].items()}
+    hyper = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+             for g in sd["param_groups"]]
+    return {"state": state, "hyper": hyper}
+
+
+def optim_state_from_names(optimizer: torch.optim.Optimizer,
+                           named: list[tuple[str, nn.Parameter]],
+                           plain: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``optimizer.state_dict()`` that puts back what :func:`optim_state_by_name` saved
+    for this optimizer's parameters (the saved groups' settings apply in order)."""
+    names = {id(p): n for n, p in named}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved = plain.get("state", {})
+    state = {i: dict(saved[name]) for i, name in enumerate(order) if name in saved}
+    current = optimizer.state_dict()["param_groups"]
+    hyper = list(plain.get("hyper") or [{}])
     groups = []
-    for group in plain["param_groups"]:
-        group = dict(group)
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
-        group["params"] = [int(i) for i in group["params"]]
-        groups.append(group)
-    return {"state": {int(k): dict(v) for k, v in plain["state"].items()},
-            "param_groups": groups}
+    for g, group in enumerate(current):
+        settings = dict(hyper[min(g, len(hyper) - 1)])
+        if "betas" in settings:
+            settings["betas"] = tuple(settings["betas"])
+        groups.append({**group, **settings, "params": group["params"]})
+    return {"state": state, "param_groups": groups}

@@ -194,6 +194,7 @@ class RpcStrategy(BaseStrategy):
             model = self.local_model
             rrefs = list(self._hybrid_remote().remote_parameters())
             rrefs += [rpc.RRef(p) for p in model.parameters()]
+            server.install_trainer_optimizer(optimizer)  # steps the dense part (see factory)
         else:
             rrefs = []
             for i in range(self.roles.servers):
@@ -275,10 +276,9 @@ class RpcStrategy(BaseStrategy):
                 local[name].copy_(value)
 
     # -- talking to servers ---------------------------------------------------------------
-    def call(self, index: int, fn: Any, *args: Any, timeout: float | None = None) -> Any:
-        fut = rpc.rpc_async(self.roles.server_name(index), fn, args=args,
-                            timeout=-1 if timeout is None else timeout)
-        return self.wait(index, fut)
+    def call(self, index: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on server ``index``, within ``--rpc-timeout``; errors name the server."""
+        return self.wait(index, rpc.rpc_async(self.roles.server_name(index), fn, args=args))
 
     def wait(self, index: int, fut: Any) -> Any:
         try:
@@ -289,28 +289,32 @@ class RpcStrategy(BaseStrategy):
                                f"{_first_line(exc)}") from exc
 
     def server_state(self) -> dict[str, Any]:
-        """All servers' parameters (by name, layout-free), module and optimizer states."""
+        """Every server's parameters, optimizer state (both by parameter name, so the layout
+        of servers may change between save and load) and the remote module's state."""
         parts = [self.call(i, server.state_dict) for i in range(self.roles.servers)]
         state: dict[str, Any] = {"servers": self.roles.servers, "mode": self.mode,
-                                 "params": {}, "optimizer": {}}
-        for i, part in enumerate(parts):
+                                 "params": {}, "optimizer": {"state": {}, "hyper": []}}
+        for part in parts:
             state["params"].update(part.get("params", {}))
-            if "optimizer" in part:
-                state["optimizer"][f"server{i}"] = part["optimizer"]
+            optim = part.get("optimizer")
+            if optim is not None:
+                state["optimizer"]["state"].update(optim["state"])
+                state["optimizer"]["hyper"] = state["optimizer"]["hyper"] or optim["hyper"]
             if "module" in part:
                 state["module"] = part["module"]
         return state
 
     def load_server_state(self, state: Mapping[str, Any]) -> None:
-        same_layout = int(state.get("servers", -1)) == self.roles.servers
+        params = state.get("params") or {}
+        optim = state.get("optimizer") or {}
         for i in range(self.roles.servers):
-            part: dict[str, Any] = {}
-            params = state.get("params") or {}
-            if self.shard_names.get(i):
-                part["params"] = {n: params[n] for n in self.shard_names[i] if n in params}
-            optim = (state.get("optimizer") or {}).get(f"server{i}")
-            if optim is not None and same_layout:
-                part["optimizer"] = optim
+            names = self.shard_names.get(i, [])
+            part: dict[str, Any] = {"params": {n: params[n] for n in names if n in params}}
+            if optim.get("hyper"):
+                saved = optim.get("state", {})
+                keep = names if self.mode != "ddp" else list(saved)
+                part["optimizer"] = {"state": {n: saved[n] for n in keep if n in saved},
+                                     "hyper": optim["hyper"]}
             if "module" in state and i == 0:
                 part["module"] = state["module"]
             self.call(i, server.load_state_dict, part)
@@ -337,6 +341,7 @@ class RpcStrategy(BaseStrategy):
                 rpc.shutdown(graceful=True, timeout=float(self.config.timeout))
         finally:
             server.install(None)
+            server.install_trainer_optimizer(None)
 
     def _notify_servers(self) -> None:
         timeout = NOTIFY_TIMEOUT if self.failed else float(self.config.rpc_timeout)

@@ -12,6 +12,7 @@ import torch
 from distrun_safetensors.files import (
     DTYPE_SIZES,
     CheckpointError,
+    FileReader,
     fsync_dir,
     write_json,
     write_safetensors,
@@ -53,14 +54,12 @@ def consolidate(folder: str, out: str, max_shard_bytes: int) -> dict[str, Any]:
     os.makedirs(tmp)
     weight_map: dict[str, str] = {}
     with ExitStack() as stack:
-        handles: dict[str, Any] = {}
+        handles: dict[str, FileReader] = {}
+        stack.callback(lambda: [h.close() for h in handles.values()])
 
-        def open_file(name: str) -> Any:
+        def open_file(name: str) -> FileReader:
             if name not in handles:
-                from safetensors import safe_open
-
-                handles[name] = stack.enter_context(
-                    safe_open(ckpt.path(name), framework="pt", device="cpu"))
+                handles[name] = FileReader(ckpt.path(name))
             return handles[name]
 
         def assemble(name: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from distrun_safetensors import comm
-from distrun_safetensors.files import CheckpointError
+from distrun_safetensors.files import CheckpointError, FileReader
 from distrun_safetensors.manifest import (
     Checkpoint,
     candidates,
@@ -35,10 +35,12 @@ log = logging.getLogger("distrun")
 class LoadResult:
     """What :func:`load` restored: the folder, its step and this rank's contributed state."""
 
-    def __init__(self, path: str, step: int, state: dict[str, Any]) -> None:
+    def __init__(self, path: str, step: int, state: dict[str, Any], bytes_read: int = 0) -> None:
         self.path = path
         self.step = step
         self.state = state
+        #: tensor bytes this rank read from the model and optimizer files
+        self.bytes_read = bytes_read
 
 
 def resolve_source(source: str, ckpt_dir: str) -> tuple[list[str], bool, list[str]]:
@@ -123,6 +125,10 @@ def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> s
         if box is not None and not covered(ckpt.model[k], *box):
             return f"{ckpt.folder}: tensor {k!r} is not fully stored (incomplete checkpoint)"
     if optimizer is not None and ckpt.optimizer is not None:
+        kind = ckpt.optimizer.get("class")
+        if kind and kind != type(optimizer).__name__ and comm.rank_world()[0] == 0:
+            log.warning("checkpoint: the optimizer state was saved from %s, this run uses %s",
+                        kind, type(optimizer).__name__)
         saved = [g.get("params") for g in ckpt.optimizer.get("param_groups", [])]
         now = optimizer_names(optimizer, model)
         if saved != now:
@@ -156,14 +162,12 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
     if problem:
         raise CheckpointError(problem)
     with ExitStack() as stack:
-        handles: dict[str, Any] = {}
+        handles: dict[str, FileReader] = {}
+        stack.callback(lambda: [h.close() for h in handles.values()])
 
-        def open_file(name: str) -> Any:
+        def open_file(name: str) -> FileReader:
             if name not in handles:
-                from safetensors import safe_open
-
-                handles[name] = stack.enter_context(
-                    safe_open(ckpt.path(name), framework="pt", device="cpu"))
+                handles[name] = FileReader(ckpt.path(name))
             return handles[name]
 
         try:
@@ -175,7 +179,8 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
             raise
         except Exception as exc:
             raise CheckpointError(f"{ckpt.folder}: reading failed ({exc})") from exc
-    return LoadResult(ckpt.folder, ckpt.step, state)
+        read = sum(h.bytes_read for h in handles.values())
+    return LoadResult(ckpt.folder, ckpt.step, state, read)
 
 
 def _load_model(ckpt: Checkpoint, model: torch.nn.Module, open_file: Any) -> None:

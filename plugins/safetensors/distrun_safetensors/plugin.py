@@ -48,6 +48,8 @@ def ckpt_dir(run: Any) -> str:
 
 @hookimpl
 def distrun_save_checkpoint(run, reason):
+    if run.model is None:  # a rank that serves others (RPC parameter server) holds no model
+        return None
     saver = _checkpointer(run)
     if reason == "preempt":
         saver.async_save = False  # the process exits right after: write it now

@@ -117,14 +117,22 @@ class Checkpointer:
         if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
             return self.last[1]
         rank, world = comm.rank_world()
-        tmp = None
+        tmp: Any = None
         if rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-            os.mkdir(tmp)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
+                os.mkdir(tmp)
+            except OSError as exc:
+                tmp = {"error": f"cannot create a folder in {self.directory} ({exc.strerror})"}
         tmp = comm.broadcast(tmp)
-        job = self._collect(rank, world, model, optimizer, state, step, reason, info)
-        if not self.async_save:
+        if isinstance(tmp, dict):
+            raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}")
+        try:
+            job = self._collect(rank, world, model, optimizer, state, step, reason, info)
+        except Exception as exc:  # still take part in the gather, so every rank fails together
+            job = {"rank": rank, "world": world, "step": step, "failed": exc}
+        if not self.async_save or "failed" in job:
             self._write_and_commit(job, tmp, final, None)
             return final
         job["pieces"] = [_stage(p) for p in job["pieces"]]
@@ -182,6 +190,8 @@ class Checkpointer:
         error = None
         report: dict[str, Any] = {}
         try:
+            if "failed" in job:
+                raise job["failed"]
             report = _write_rank_files(job, tmp)
         except Exception as exc:
             error = f"rank {job['rank']}: {exc}"
@@ -239,6 +249,7 @@ class Checkpointer:
             old = os.path.join(self.directory, f".old-{os.path.basename(final)}-"
                                                f"{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
+            kill_point("moved aside")
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -39,8 +39,8 @@ def _prefix(name: str) -> str:
 def find_pairs(model: nn.Module, tp: int) -> dict[str, tuple[list[str], str]]:
     """``{module name: ([column-wise child names], row-wise child name)}`` per matched block.
 
-    The row-wise layer is the last direct ``Linear`` child whose input width some other child
-    produces; every other direct ``Linear`` child must read the block's width (the row-wise
+    The row-wise layer is the last direct ``Linear`` child (not the first) whose input width
+    some other child produces; every other direct ``Linear`` child must read the block's width (the row-wise
     output) and split evenly over ``tp`` ranks. A fused ``qkv`` projection (3x width) does not
     match, so it is left alone rather than split wrongly.
     """
@@ -49,7 +49,7 @@ def find_pairs(model: nn.Module, tp: int) -> dict[str, tuple[list[str], str]]:
         linears = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
         if len(linears) < 2:
             continue
-        for row_name, row in reversed(linears):
+        for row_name, row in reversed(linears[1:]):  # the row-wise layer comes after a column one
             cols = [(n, c) for n, c in linears if n != row_name]
             if row.in_features % tp:
                 continue

@@ -6,6 +6,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+
 from distrun import UsageError
 
 __all__ = ["MixedPrecision"]

@@ -1,1 +1,1 @@
-"""distrun-cluster_env: SLURM, Kubernetes and MPI environment detection for distrun."""
+"""distrun-cluster-env: SLURM, Kubernetes and MPI environment detection for distrun."""

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 
 from distrun import UsageError
 from distrun.cluster import ClusterEnv
-
 from distrun_cluster_env.nodelist import expand_tasks_per_node, first_host
 
 __all__ = ["READERS", "SELECT_ENV", "detect", "mpi", "pytorchjob", "slurm", "torchelastic"]

@@ -59,14 +59,19 @@ class LocalRayCluster:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                code, tail = self.proc.returncode, self._log_tail()
                 self.stop()
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}; see "
-                                   f"{self.temp_dir}/head.log")
+                raise RuntimeError(f"ray start exited with {code}:\n{tail}")
             if self._started():
                 return self.address
             time.sleep(0.5)
+        tail = self._log_tail()
         self.stop()
-        raise RuntimeError(f"the Ray head did not start within {self.start_timeout:g}s")
+        raise RuntimeError(f"the Ray head did not start within {self.start_timeout:g}s:\n{tail}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        with open(os.path.join(self.temp_dir, "head.log")) as fh:
+            return "".join(fh.readlines()[-lines:])
 
     def _started(self) -> bool:
         with open(os.path.join(self.temp_dir, "head.log")) as fh:

@@ -21,10 +21,7 @@ def open_writer(run: Any) -> Any:
     writer = SummaryWriter(log_dir=event_dir(run), purge_step=purge,
                            flush_secs=int(run.config.get("tensorboard_flush_secs", 30.0)) or 1)
     if run.resumed_from is None:
-        from distrun.configcmd import render_toml
-        from distrun.registry import collect_options
-        from distrun.runfolder import value_sources
+        from distrun.runfolder import render_config
 
-        text = render_toml(collect_options(run.pm), run.config.as_dict(), value_sources(run.config))
-        writer.add_text("config", "```toml\n" + text + "```", global_step=0)
+        writer.add_text("config", "```toml\n" + render_config(run.config) + "```", global_step=0)
     return writer

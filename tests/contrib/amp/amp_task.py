@@ -3,9 +3,10 @@ layer's output has inside the step (bfloat16 only when autocast is really active
 
 from __future__ import annotations
 
-import distrun
 import torch
 from torch import nn
+
+import distrun
 
 
 class AmpTask(distrun.Task):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from distrun.testing import run_cli, run_on_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -15,8 +16,9 @@ HERE = Path(__file__).resolve().parent
 
 def _fit(rank: int, world: int, precision: str, run_dir: str) -> dict:
     sys.path.insert(0, str(HERE))
-    import distrun
     from amp_task import AmpTask
+
+    import distrun
 
     task = AmpTask()
     run = distrun.fit(task, precision=precision, max_epochs=3, batch_size=32,
@@ -83,8 +85,9 @@ def test_16_mixed_on_cpu_is_a_usage_error(tmp_path):
 
 def _fit_fp16_cuda(rank: int, world: int, run_dir: str) -> dict:
     sys.path.insert(0, str(HERE))
-    import distrun
     from amp_task import AmpTask
+
+    import distrun
 
     task = AmpTask()
     run = distrun.fit(task, precision="16-mixed", device="cuda", max_epochs=2, batch_size=32,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,3 +79,9 @@ def probe(tmp_path: Path) -> Path:
     path = tmp_path / "probe.py"
     path.write_text(PROBE)
     return path
+
+
+@pytest.fixture
+def h() -> SimpleNamespace:
+    """This folder's helpers (test modules cannot import conftest under --import-mode=importlib)."""
+    return SimpleNamespace(base_env=base_env, distrun=distrun, finish=finish, read_ranks=read_ranks, start=start)

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-from conftest import base_env, distrun, finish, read_ranks, start
-
 from distrun.testing import free_port
 
 
-def _slurm_task(rank: int, port: int) -> dict[str, str]:
+def _slurm_task(h, rank: int, port: int) -> dict[str, str]:
     """What srun --ntasks 2 gives task ``rank`` on a one-node allocation called localhost."""
-    return base_env(SLURM_JOB_ID="5150", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+    return h.base_env(SLURM_JOB_ID="5150", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
                     SLURM_NODEID="0", SLURM_NTASKS="2", SLURM_NNODES="1",
                     SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2", MASTER_PORT=str(port))
 
 
-def test_srun_style_two_tasks_form_one_gloo_group(tmp_path, probe):
+def test_srun_style_two_tasks_form_one_gloo_group(h, tmp_path, probe):
     """Two launchers (as srun starts them), each runs its one rank in place; ranks meet."""
     port = free_port()
-    procs = [start("run", str(probe), str(tmp_path), env=_slurm_task(r, port), cwd=tmp_path)
+    procs = [h.start("run", str(probe), str(tmp_path), env=_slurm_task(h, r, port), cwd=tmp_path)
              for r in range(2)]
-    results = finish(procs)
+    results = h.finish(procs)
     for code, out in results:
         assert code == 0, out
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     for rank, info in enumerate(infos):
         assert (info["RANK"], info["LOCAL_RANK"], info["WORLD_SIZE"]) == (str(rank), str(rank), "2")
         assert (info["LOCAL_WORLD_SIZE"], info["GROUP_RANK"]) == ("2", "0")
@@ -32,30 +30,30 @@ def test_srun_style_two_tasks_form_one_gloo_group(tmp_path, probe):
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
 
 
-def test_flags_override_detection(tmp_path, probe):
+def test_flags_override_detection(h, tmp_path, probe):
     """Inside an srun task, --nproc-per-node chooses the layout and --master-port the port."""
     port = free_port()
-    env = _slurm_task(0, 1)  # a port nobody could bind: the flag must win
-    result = distrun("run", "--nproc-per-node", "2", "--master-port", str(port), str(probe),
+    env = _slurm_task(h, 0, 1)  # a port nobody could bind: the flag must win
+    result = h.distrun("run", "--nproc-per-node", "2", "--master-port", str(port), str(probe),
                      str(tmp_path), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     assert [i["RANK"] for i in infos] == ["0", "1"]
     assert {i["MASTER_PORT"] for i in infos} == {str(port)}
     assert {i["MASTER_ADDR"] for i in infos} == {"localhost"}  # still from the node list
 
 
-def test_pytorchjob_pods_as_two_launchers(tmp_path, probe):
+def test_pytorchjob_pods_as_two_launchers(h, tmp_path, probe):
     """Two pods of a PyTorchJob (nprocPerNode 1): each launcher starts its pod's worker."""
     port = free_port()
     procs = []
     for pod in range(2):
-        env = base_env(KUBERNETES_SERVICE_HOST="10.96.0.1", MASTER_ADDR="127.0.0.1",
+        env = h.base_env(KUBERNETES_SERVICE_HOST="10.96.0.1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(pod))
-        procs.append(start("run", str(probe), str(tmp_path), env=env, cwd=tmp_path))
-    for code, out in finish(procs):
+        procs.append(h.start("run", str(probe), str(tmp_path), env=env, cwd=tmp_path))
+    for code, out in h.finish(procs):
         assert code == 0, out
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     for pod, info in enumerate(infos):
         assert (info["RANK"], info["GROUP_RANK"], info["GROUP_WORLD_SIZE"]) == (str(pod), str(pod),
                                                                                  "2")
@@ -63,46 +61,46 @@ def test_pytorchjob_pods_as_two_launchers(tmp_path, probe):
         assert info["MASTER_PORT"] == str(port) and info["sum"] == 1.0
 
 
-def test_pytorchjob_nproc_per_node_spawns_the_pod_workers(tmp_path, probe):
+def test_pytorchjob_nproc_per_node_spawns_the_pod_workers(h, tmp_path, probe):
     port = free_port()
-    env = base_env(KUBERNETES_SERVICE_HOST="10.96.0.1", MASTER_ADDR="127.0.0.1",
+    env = h.base_env(KUBERNETES_SERVICE_HOST="10.96.0.1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), WORLD_SIZE="2", RANK="0", PET_NNODES="1",
                    PET_NODE_RANK="0", PET_NPROC_PER_NODE="2")
-    result = distrun("run", str(probe), str(tmp_path), env=env, cwd=tmp_path)
+    result = h.distrun("run", str(probe), str(tmp_path), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     assert [(i["RANK"], i["LOCAL_RANK"], i["WORLD_SIZE"]) for i in infos] == [
         ("0", "0", "2"), ("1", "1", "2")]
     assert {i["MASTER_PORT"] for i in infos} == {str(port)} and infos[0]["sum"] == 1.0
 
 
-def test_mpirun_style_ranks(tmp_path, probe):
+def test_mpirun_style_ranks(h, tmp_path, probe):
     """Open MPI's variables on one node: per-process, rank 0 on 127.0.0.1."""
     port = free_port()
     procs = []
     for rank in range(2):
-        env = base_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
+        env = h.base_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
                        OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2",
                        MASTER_PORT=str(port))
-        procs.append(start("run", str(probe), str(tmp_path), env=env, cwd=tmp_path))
-    for code, out in finish(procs):
+        procs.append(h.start("run", str(probe), str(tmp_path), env=env, cwd=tmp_path))
+    for code, out in h.finish(procs):
         assert code == 0, out
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     assert [(i["RANK"], i["LOCAL_RANK"]) for i in infos] == [("0", "0"), ("1", "1")]
     assert {i["MASTER_ADDR"] for i in infos} == {"127.0.0.1"} and infos[1]["sum"] == 1.0
 
 
-def test_mpi_across_nodes_without_master_addr_is_a_usage_error(tmp_path, probe):
-    env = base_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4",
+def test_mpi_across_nodes_without_master_addr_is_a_usage_error(h, tmp_path, probe):
+    env = h.base_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4",
                    OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_LOCAL_SIZE="2")
-    result = distrun("run", str(probe), str(tmp_path), env=env, cwd=tmp_path)
+    result = h.distrun("run", str(probe), str(tmp_path), env=env, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: mpi (open mpi) spans 2 nodes but does not say where rank 0 runs "
         "(export MASTER_ADDR, or pass --master-addr)")
 
 
-def test_under_torchrun_each_worker_runs_its_rank_in_place(tmp_path, probe):
+def test_under_torchrun_each_worker_runs_its_rank_in_place(h, tmp_path, probe):
     """`torchrun -m distrun run`: TorchElastic started the ranks; the agent hosts the store."""
     import subprocess
     import sys
@@ -111,9 +109,9 @@ def test_under_torchrun_each_worker_runs_its_rank_in_place(tmp_path, probe):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(port), "-m", "distrun", "run", str(probe), str(tmp_path)],
-        env=base_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        env=h.base_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    infos = read_ranks(tmp_path, 2)
+    infos = h.read_ranks(tmp_path, 2)
     assert [(i["RANK"], i["LOCAL_RANK"], i["WORLD_SIZE"]) for i in infos] == [
         ("0", "0", "2"), ("1", "1", "2")]
     assert infos[0]["sum"] == 1.0 and infos[0]["TORCHELASTIC_RUN_ID"] == infos[1][

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from distrun_cluster_env.nodelist import expand_nodelist, expand_tasks_per_node, first_host
 
 from distrun import UsageError
+from distrun_cluster_env.nodelist import expand_nodelist, expand_tasks_per_node, first_host
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from distrun.testing import run_cli
 
 TASK = str(Path(__file__).resolve().parents[2] / "core" / "tiny_task.py")
@@ -89,3 +90,14 @@ def test_plugin_module_does_not_import_torch_or_rich():
     code = "import sys, distrun_progress.plugin; print('torch' in sys.modules, 'rich' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+def test_two_ranks_one_display(tmp_path):
+    pytest.importorskip("distrun_ddp", reason="two processes need the ddp strategy")
+    result = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--name", "two",
+                     "--progress-interval", "0", "--tee", *FLAGS, TASK, cwd=tmp_path)
+    assert result.returncode == 0, result
+    lines = [ln for ln in result.stdout.splitlines() if "[progress] epoch" in ln]
+    # Rank 0 only; the global batch of 32 is split, so still 8 steps per epoch.
+    assert len(lines) == 16 and all(ln.startswith("[rank0]: ") for ln in lines), lines
+    assert "[progress]" not in (tmp_path / "runs" / "two" / "logs" / "rank1.log").read_text()

@@ -7,10 +7,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
+pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")
 
 _SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "PET_", "KUBERNETES_",
                        "RAY_ADDRESS")
@@ -41,3 +43,9 @@ def distrun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: f
             ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distrun", *args], cwd=cwd,
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def h() -> SimpleNamespace:
+    """This folder's helpers (test modules cannot import conftest under --import-mode=importlib)."""
+    return SimpleNamespace(clean_env=clean_env, distrun=distrun)

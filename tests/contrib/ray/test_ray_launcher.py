@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import clean_env, distrun
-
 PROBE = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist
@@ -39,11 +37,11 @@ def _ranks(folder: Path, world: int) -> list[dict]:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def test_two_ray_workers_form_a_gloo_group_and_stream_logs(tmp_path, ray_address):
+def test_two_ray_workers_form_a_gloo_group_and_stream_logs(h, tmp_path, ray_address):
     (tmp_path / "probe.py").write_text(PROBE)
-    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
                      "--ray-num-workers", "2", "--ray-env", "MY_VAR", "--tee", "probe.py",
-                     str(tmp_path), cwd=tmp_path, env=clean_env(MY_VAR="forwarded"))
+                     str(tmp_path), cwd=tmp_path, env=h.clean_env(MY_VAR="forwarded"))
     assert result.returncode == 0, result.stdout + result.stderr
     infos = _ranks(tmp_path, 2)
     for rank, info in enumerate(infos):
@@ -60,9 +58,9 @@ def test_two_ray_workers_form_a_gloo_group_and_stream_logs(tmp_path, ray_address
     assert logs == ["rank0.log", "rank1.log"]
 
 
-def test_a_failure_names_the_rank_and_its_last_lines(tmp_path, ray_address):
+def test_a_failure_names_the_rank_and_its_last_lines(h, tmp_path, ray_address):
     (tmp_path / "flaky.py").write_text(FLAKY)
-    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
                      "--ray-num-workers", "2", "flaky.py", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     err = result.stderr
@@ -71,9 +69,9 @@ def test_a_failure_names_the_rank_and_its_last_lines(tmp_path, ray_address):
     assert "restarting" not in err
 
 
-def test_max_restarts_restarts_the_group_with_resume_auto(tmp_path, ray_address):
+def test_max_restarts_restarts_the_group_with_resume_auto(h, tmp_path, ray_address):
     (tmp_path / "flaky.py").write_text(FLAKY)
-    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
                      "--ray-num-workers", "2", "--ray-max-restarts", "1", "flaky.py",
                      str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -85,9 +83,9 @@ def test_max_restarts_restarts_the_group_with_resume_auto(tmp_path, ray_address)
         assert info["resume"] == "auto" and info["sum"] == 1.0
 
 
-def test_a_cluster_too_small_is_a_usage_error(tmp_path, ray_address):
+def test_a_cluster_too_small_is_a_usage_error(h, tmp_path, ray_address):
     (tmp_path / "probe.py").write_text(PROBE)
-    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
                      "--ray-num-workers", "9", "--ray-start-timeout", "3", "probe.py",
                      str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -95,9 +93,20 @@ def test_a_cluster_too_small_is_a_usage_error(tmp_path, ray_address):
         "error: the Ray cluster cannot place 9 workers of {'CPU': 1.0} within 3s (it has CPU=4")
 
 
-def test_the_local_launcher_is_untouched(tmp_path):
+def test_the_local_launcher_is_untouched(h, tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
-    result = distrun("run", "--launcher", "local", "--nproc-per-node", "2", "probe.py",
+    result = h.distrun("run", "--launcher", "local", "--nproc-per-node", "2", "probe.py",
                      str(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert [i["RANK"] for i in _ranks(tmp_path, 2)] == ["0", "1"]
+
+
+def test_workers_get_only_the_forwarded_launcher_variables():
+    from distrun_ray.launcher import forwarded_env
+
+    environ = {"DISTRUN_CONFIG": "{}", "TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": "WARN",
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": "/src", "HOME": "/root", "PATH": "/bin",
+               "CUDA_VISIBLE_DEVICES": "0", "WANDB_KEY": "k", "MY_VAR": "v"}
+    assert forwarded_env(environ, " MY_VAR , WANDB_KEY") == {
+        "DISTRUN_CONFIG": "{}", "TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": "WARN",
+        "OMP_NUM_THREADS": "1", "PYTHONPATH": "/src", "WANDB_KEY": "k", "MY_VAR": "v"}

@@ -10,7 +10,6 @@ import importlib.util
 import json
 
 import pytest
-from conftest import distrun
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("distrun_ddp") is None,
@@ -67,22 +66,20 @@ if __name__ == "__main__":
 """
 
 COMMON = ["--strategy", "ddp", "--max-steps", "6", "--max-epochs", "10", "--batch-size", "8",
-          "--ckpt-every-n-steps", "2", "--summary", "--no-summary"]
+          "--ckpt-every-n-steps", "2", "--no-summary"]
 
 
 @pytest.mark.slow
-def test_restart_resumes_from_the_checkpoint(tmp_path, ray_address):
+def test_restart_resumes_from_the_checkpoint(h, tmp_path, ray_address):
     (tmp_path / "task.py").write_text(TASK)
-    common = [c for c in COMMON if c != "--summary"]
-    ref = distrun("run", "--nproc-per-node", "2", *common, "--name", "ref", "task.py",
-                  str(tmp_path / "ref.json"), cwd=tmp_path)
+    ref = h.distrun("run", "--nproc-per-node", "2", *COMMON, "--name", "ref", "task.py",
+                    str(tmp_path / "ref.json"), cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    from conftest import clean_env
-
-    result = distrun("run", "--launcher", "ray", "--ray-address", ray_address,
-                     "--ray-num-workers", "2", "--ray-max-restarts", "1", *common,
-                     "--name", "ray", "task.py", str(tmp_path / "ray.json"), cwd=tmp_path,
-                     env=clean_env(CRASH="1"))
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                       "--ray-num-workers", "2", "--ray-max-restarts", "1", "--ray-env", "CRASH",
+                       *COMMON,
+                       "--name", "ray", "task.py", str(tmp_path / "ray.json"), cwd=tmp_path,
+                       env=h.clean_env(CRASH="1"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 1 (Ray node 127.0.0.1) failed with exit code 7" in result.stderr
     got, want = (json.loads((tmp_path / n).read_text()) for n in ("ray.json", "ref.json"))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from distrun.testing import run_cli
 
 TASK = Path(__file__).resolve().parents[2] / "core" / "tiny_task.py"
@@ -68,3 +69,18 @@ def test_plugin_module_does_not_import_torch():
     code = "import sys, distrun_tensorboard.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_resume_purges_the_replayed_steps(tmp_path):
+    pytest.importorskip("distrun_safetensors", reason="resuming needs a checkpoint plugin")
+    common = ("run", "--name", "r", "--batch-size", "32", "--log-every-n-steps", "2",
+              "--no-summary")
+    first = run_cli(*common, "--max-steps", "8", "--ckpt-every-n-steps", "3", str(TASK),
+                    cwd=tmp_path)
+    assert first.returncode == 0, first
+    second = run_cli(*common, "--max-steps", "12", "--resume", "auto", str(TASK), cwd=tmp_path)
+    assert second.returncode == 0, second
+    acc = accumulate(tmp_path / "runs" / "r" / "tensorboard")
+    # Resumed at step 6: the first run's step 8 is purged, the second run's step 8 stays.
+    assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8, 10, 12]
+    assert [e.step for e in acc.Scalars("val_loss")] == [8, 12]

@@ -13,6 +13,7 @@ from torch import nn
 import distrun
 
 N_SAMPLES = 192
+_KEEP: list[Any] = []
 
 
 class Regression(distrun.Task):
@@ -90,6 +91,9 @@ def fit_many(rank: int, world: int, runs: list[dict[str, Any]], task_kwargs: dic
             if hasattr(model, attr):
                 facts[attr] = getattr(model, attr)
         out.append({"weights": plain_weights(run), **facts})
+        # Keep finished runs alive: tearing down a DDP with a Python comm hook mid-process is
+        # not what these tests are about; the spawned process exits without destructors.
+        _KEEP.append(run)
         if plugins:
             run.pm.unregister(plugins[0])
     return out

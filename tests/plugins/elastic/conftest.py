@@ -1,12 +1,20 @@
-"""The session's reference run: the uninterrupted training every recovery test compares with."""
+"""The session's reference run (the uninterrupted training every recovery test compares with);
+this folder's helper modules become importable under pytest's importlib import mode."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
-from distrun.testing import run_cli
-from elastic_helpers import TASK, TRAIN, plugin_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from elastic_helpers import TASK, TRAIN, plugin_env  # noqa: E402
+
+from distrun.testing import run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")

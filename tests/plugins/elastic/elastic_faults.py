@@ -9,6 +9,7 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
 - ``EL_CKPT_KILL="attempt:step"``: rank 0 SIGKILLs itself while committing the checkpoint of
   that step (after its files are written, at the rename that would publish it);
 - ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
+- ``EL_SIGTERM="attempt:step:rank"``: that rank sends itself SIGTERM at the end of the step;
 - ``EL_RAISE="step:rank"``: that rank raises inside the step, in every attempt;
 - ``EL_RECORD_DIR``: every worker appends its start (attempt, rank, world size, step, cursor,
   checkpoint) to ``events.jsonl`` and the sample indices of each step to ``samples.jsonl``;
@@ -39,6 +40,7 @@ def _append(name: str, record: dict) -> None:
 def _make_gradsum(config):
     import torch
     import torch.distributed as dist
+
     from distrun.base_strategy import BaseStrategy
 
     class GradSum(BaseStrategy):
@@ -104,6 +106,9 @@ def distrun_on_step_end(run, step):
         attempt, at, rank = item.split(":")
         if attempt == _attempt() and int(at) == step and int(rank) == run.rank:
             os.kill(os.getpid(), signal.SIGKILL)
+    term = os.environ.get("EL_SIGTERM", "")
+    if term and term == f"{_attempt()}:{step}:{run.rank}":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @hookimpl(wrapper=True)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import time
 
-import distrun
 import torch
 from torch import nn
+
+import distrun
 
 
 class ElasticTask(distrun.Task):

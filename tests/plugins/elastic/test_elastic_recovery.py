@@ -12,7 +12,6 @@ import signal
 
 import pytest
 import torch
-from distrun.testing import free_port, run_cli
 from elastic_helpers import (
     TASK,
     TRAIN,
@@ -22,6 +21,8 @@ from elastic_helpers import (
     records,
     steps_trained,
 )
+
+from distrun.testing import free_port, run_cli
 
 CKPT_EVERY = 2
 

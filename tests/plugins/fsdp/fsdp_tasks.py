@@ -69,6 +69,14 @@ class Recorder:
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.final: dict[str, Any] = {}
+        self.grads_after: list[int] = []
+
+    @distrun.hookimpl(wrapper=True)
+    def distrun_backward(self, run: Any, loss: Any) -> Any:
+        result = yield
+        # how many parameters hold a gradient after this micro-step's backward
+        self.grads_after.append(sum(p.grad is not None for p in run.model.parameters()))
+        return result
 
     @distrun.hookimpl
     def distrun_on_fit_end(self, run: Any) -> None:
@@ -76,6 +84,11 @@ class Recorder:
         self.final = {
             "state": full_state(run.unwrapped_model()),
             "param_types": sorted({type(p).__name__ for p in run.model.parameters()}),
+            "local_numel": sum(_local(p).numel() for p in run.model.parameters()),
+            "opt_numel": sum(_local(v).numel() for s in run.optimizer.state.values()
+                             for v in s.values() if isinstance(v, torch.Tensor) and v.dim()),
+            "placements": sorted({str(tuple(p.placements)) for p in run.model.parameters()
+                                  if hasattr(p, "placements")}),
             "opt_state_types": sorted({type(v).__name__ for s in run.optimizer.state.values()
                                        for v in s.values() if isinstance(v, torch.Tensor)}),
         }
@@ -84,6 +97,10 @@ class Recorder:
     def distrun_log_metrics(self, run: Any, step: int, metrics: Any) -> None:
         if "loss" in metrics:
             self.losses.append(metrics["loss"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def full_state(model: nn.Module) -> dict[str, list]:
@@ -105,10 +122,37 @@ def train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     # only the plugins under test (not whatever else is installed)
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_fsdp.plugin")
+    from distrun import plugins
+
+    plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder
     rec = Recorder()
     opts = dict(max_steps=6, batch_size=16, log_every_n_steps=1, summary=False,
                 timeout=120.0, run_dir=options.pop("run_dir", "runs/fsdp-test"))
     opts.update(options)
     run = distrun.Trainer(plugins=(rec,), **opts).fit(BlocksTask())
     return {"losses": rec.losses, "dp": (run.strategy.dp_rank, run.strategy.dp_world_size),
-            **rec.final}
+            "grads_after": rec.grads_after, **rec.final}
+
+
+def max_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max((torch.tensor(a["state"][k]) - torch.tensor(b["state"][k])).abs().max().item()
+               for k in a["state"])
+
+
+def train_many(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
+    """Several fits in this process (starting torch per fit costs more than a tiny fit)."""
+    *lead, runs = args
+    return [train(rank, world, *lead, dict(options)) for options in runs]
+
+
+def reference(*lead: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The same training in this process with the core's single strategy (env restored)."""
+    from distrun import plugins
+
+    saved, previous = dict(os.environ), plugins._pm
+    try:
+        return train(0, 1, *lead, dict(options, strategy="single", plugins=""))
+    finally:
+        plugins.set_plugin_manager(previous)
+        os.environ.clear()
+        os.environ.update(saved)

@@ -21,6 +21,8 @@ from torch import nn
 import distrun
 from distrun import hookimpl
 
+EPOCHS, BATCH, SEED = 2, 32, 0
+
 
 def synthetic(n: int = 256, seed: int = 7) -> torch.utils.data.TensorDataset:
     gen = torch.Generator().manual_seed(seed)
@@ -30,9 +32,10 @@ def synthetic(n: int = 256, seed: int = 7) -> torch.utils.data.TensorDataset:
 
 
 class TinyTask(distrun.Task):
-    def __init__(self, die_rank: int = -1, die_step: int = -1) -> None:
+    def __init__(self, die_rank: int = -1, die_step: int = -1, kill_server_step: int = -1) -> None:
         self.data = synthetic()
         self.die_rank, self.die_step = die_rank, die_step
+        self.kill_server_step = kill_server_step
         self.steps = 0
 
     def configure_model(self) -> nn.Module:
@@ -48,8 +51,35 @@ class TinyTask(distrun.Task):
         self.steps += 1
         if self.steps == self.die_step and int(os.environ.get("RANK", "0")) == self.die_rank:
             os._exit(3)
+        if self.steps == self.kill_server_step and int(os.environ.get("RANK", "0")) == 0:
+            import torch.distributed.rpc as rpc
+
+            rpc.rpc_async("server0", os._exit, args=(3,))  # the server vanishes mid-run
         x, y = batch
         return F.cross_entropy(model(x), y)
+
+
+def reference_params() -> dict[str, torch.Tensor]:
+    """TinyTask trained by a hand-written one-process loop, in distrun's data order."""
+    import random
+
+    from distrun.data import epoch_permutation
+
+    random.seed(SEED)
+    torch.manual_seed(SEED)  # what the loop seeds before configure_model
+    task = TinyTask()
+    model = task.configure_model()
+    opt = task.configure_optimizer(model.parameters())
+    x, y = task.data.tensors
+    for epoch in range(EPOCHS):
+        order = epoch_permutation(SEED, epoch, len(y))
+        for start in range(0, len(y) - BATCH + 1, BATCH):
+            idx = order[start:start + BATCH]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 class TinyHybridTask(TinyTask):
@@ -111,10 +141,12 @@ def main() -> None:
     parser.add_argument("--hybrid", action="store_true")
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=-1)
+    parser.add_argument("--kill-server-step", type=int, default=-1)
     args = parser.parse_args()
     cls = TinyHybridTask if args.hybrid else TinyTask
-    task = cls(die_rank=args.die_rank, die_step=args.die_step)
-    distrun.Trainer(plugins=(Recorder(args.out),), max_epochs=2, batch_size=32,
+    task = cls(die_rank=args.die_rank, die_step=args.die_step,
+               kill_server_step=args.kill_server_step)
+    distrun.Trainer(plugins=(Recorder(args.out),), max_epochs=EPOCHS, batch_size=BATCH,
                     log_every_n_steps=4, summary=False).fit(task)
 
 

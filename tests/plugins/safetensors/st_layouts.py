@@ -18,6 +18,9 @@ from torch import nn
 warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module.*")
 
 
+_MESHES: dict[str, Any] = {}
+
+
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -45,16 +48,22 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]
 
         world = dist.get_world_size()
         plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-        if layout == "tp":
-            parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
-        elif layout == "fsdp":
-            mesh = init_device_mesh("cpu", (world,))
-            fully_shard(model.fc1, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        if layout == "fsdp_tp":
+            if "2d" not in _MESHES:  # build the process groups once per process
+                _MESHES["2d"] = init_device_mesh("cpu", (world // 2, 2),
+                                                 mesh_dim_names=("dp", "tp"))
+            mesh = _MESHES["2d"]
             parallelize_module(model, mesh["tp"], plan)
             fully_shard(model, mesh=mesh["dp"])
+        else:
+            if "1d" not in _MESHES:
+                _MESHES["1d"] = init_device_mesh("cpu", (world,))
+            mesh = _MESHES["1d"]
+            if layout == "tp":
+                parallelize_module(model, mesh, plan)
+            else:
+                fully_shard(model.fc1, mesh=mesh)
+                fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
@@ -99,15 +108,28 @@ def save_layout(layout: str, directory: str, seed: int, steps: int = 2) -> dict[
     return {"path": path, "tensors": full_state(model, opt)}
 
 
-def load_layout(layout: str, path: str) -> tuple[dict[str, torch.Tensor], Any]:
+def load_layout(layout: str, path: str) -> tuple[dict[str, torch.Tensor], Any, float]:
     """Load ``path`` into a fresh ``layout`` model (seeded differently); return its full
-    tensors and the ``who`` entry of the contributed state this rank got back."""
-    from distrun_safetensors.load import load
+    tensors, the ``who`` entry of the contributed state this rank got back and the fraction
+    of the checkpoint's tensor bytes this rank read."""
+    import json
+
+    from distrun_safetensors.files import DTYPE_SIZES
 
     model, opt = build(layout, seed=99)
+    from distrun_safetensors.load import load
+
     result = load(path, model, opt)
     assert result is not None
-    return full_state(model, opt), result.state.get("who")
+    total = 0
+    for name in ("model.safetensors.index.json", "optimizer.safetensors.index.json"):
+        with open(os.path.join(path, name)) as fh:
+            for info in json.load(fh)["distrun"]["tensors"].values():
+                n = DTYPE_SIZES[info["dtype"]]
+                for d in info["shape"]:
+                    n *= d
+                total += n
+    return full_state(model, opt), result.state.get("who"), result.bytes_read / total
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
@@ -135,8 +157,14 @@ def rank_save_and_load(rank: int, world: int, root: str, saves: list[tuple[str, 
     cells = {}
     for layout in loads:
         for key, ref in all_sources.items():
-            got, who = load_layout(layout, ref["path"])
+            got, who, share = load_layout(layout, ref["path"])
             bad = compare(got, ref["tensors"])
+            # a sharded rank reads its share of the bytes; a replica reads everything once
+            want = 1.0 if layout == "plain" else 1.0 / world
+            if layout == "fsdp" and not (share <= want + 0.2):
+                bad.append(f"read {share:.2f} of the checkpoint, expected about {want:.2f}")
+            if layout == "plain" and abs(share - 1.0) > 1e-9:
+                bad.append(f"read {share:.2f} of the checkpoint, expected all of it once")
             saved_world = int(key.rpartition("x")[2])
             # contributed state: this rank's own when the world size matches, else rank 0's
             if who != (rank if saved_world == world else 0):

@@ -3,7 +3,10 @@
 ``st_ddp`` is the base strategy plus a gradient all-reduce (a replica per rank, like DDP);
 ``st_fsdp`` shards the model with FSDP2's ``fully_shard`` (DTensor Shard(0) parameters).
 Loaded with ``DISTRUN_PLUGINS=st_plugin`` or ``Trainer(plugins=(st_plugin,))``.
-``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end.
+``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end;
+``ST_DUMP=path`` the full model and optimizer tensors. ``ST_LOAD_ALL=ckpt1,ckpt2,...`` with
+``ST_OUT=dir`` loads each checkpoint through the hooks at fit start, dumps the full tensors to
+``dir/<i>.safetensors`` and skips training (the layout matrix through real strategy plugins).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from distrun import StrategyInfo, hookimpl
 
 def _make_ddp(config):
     import torch.distributed as dist
+
     from distrun.base_strategy import BaseStrategy
 
     class ReplicaStrategy(BaseStrategy):
@@ -78,3 +82,42 @@ def distrun_on_fit_end(run):
             from safetensors.torch import save_file
 
             save_file(weights, path)
+
+
+def full_state(run):
+    """Model and optimizer tensors gathered to full tensors (collective: every rank calls)."""
+    out = {f"model/{k}": v for k, v in final_weights(run).items()}
+    model, opt = run.unwrapped_model(), run.optimizer
+    for name, p in model.named_parameters():
+        for k, v in sorted(opt.state.get(p, {}).items()):
+            if hasattr(v, "full_tensor"):
+                v = v.full_tensor()
+            if hasattr(v, "detach"):
+                out[f"optim/{name}/{k}"] = v.detach().clone().contiguous()
+    return out
+
+
+def _dump(run, path):
+    tensors = full_state(run)
+    if run.is_global_zero:
+        from safetensors.torch import save_file
+
+        save_file(tensors, path)
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    sources = os.environ.get("ST_LOAD_ALL")
+    if not sources:
+        return
+    for i, source in enumerate(sources.split(",")):
+        run.hook.distrun_load_checkpoint(run=run, source=source)
+        _dump(run, os.path.join(os.environ["ST_OUT"], f"{i}.safetensors"))
+    run.done = True
+
+
+@hookimpl(trylast=True)
+def distrun_teardown(run):
+    path = os.environ.get("ST_DUMP")
+    if path and run.optimizer is not None and not os.environ.get("ST_LOAD_ALL"):
+        _dump(run, path)

@@ -3,9 +3,10 @@ and data cursor to end bit-identical."""
 
 from __future__ import annotations
 
-import distrun
 import torch
 from torch import nn
+
+import distrun
 
 
 class Task(distrun.Task):
@@ -23,6 +24,12 @@ class Task(distrun.Task):
 
     def configure_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+    def parallelize_plan(self, mesh):
+        """For the tp strategy: the hidden layer column-wise, the output row-wise."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"0": ColwiseParallel(), "3": RowwiseParallel()}
 
     def train_data(self):
         return self.data

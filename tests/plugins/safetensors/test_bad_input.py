@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from st_layouts import build, compare, full_state, train_step
+
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
 from distrun_safetensors.save import Checkpointer
-from st_layouts import build, compare, full_state, train_step
 
 MODEL_FILE = "model-00001-of-00001.safetensors"
 _opened: list[str] | None = None

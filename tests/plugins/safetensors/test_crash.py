@@ -6,10 +6,11 @@ import multiprocessing as mp
 import os
 import signal
 
+from st_layouts import build, compare, full_state, train_step
+
 from distrun_safetensors.load import load
 from distrun_safetensors.manifest import validate
 from distrun_safetensors.save import Checkpointer
-from st_layouts import build, compare, full_state, train_step
 
 
 def _save_and_maybe_die(directory: str, step: int, kill_at: int) -> None:
@@ -20,17 +21,13 @@ def _save_and_maybe_die(directory: str, step: int, kill_at: int) -> None:
     os._exit(0)
 
 
-def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    model, opt = build("plain", seed=1)
-    train_step(model, opt, 1)
-    Checkpointer(directory, keep_last=1).save(1, model, opt, {"progress": {"step": 1}})
+def _kill_at_every_point(directory: str, step_of: object) -> tuple[int, list[str]]:
+    """Save (in a forked child) killed at event k = 1, 2, ... until a save completes; after
+    each, `latest` must load a checkpoint whose tensors are exactly that step's."""
     ctx = mp.get_context("fork")
-    killed, steps_seen = 0, set()
+    loaded: list[str] = []
     for k in range(1, 40):
-        # alternate steps 2 and 3 so some saves replace an existing step-N folder
-        step = 2 + k % 2
-        child = ctx.Process(target=_save_and_maybe_die, args=(directory, step, k))
+        child = ctx.Process(target=_save_and_maybe_die, args=(directory, step_of(k), k))
         child.start()
         child.join(120)
         assert child.exitcode in (0, -signal.SIGKILL), child.exitcode
@@ -38,13 +35,27 @@ def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path):
         result = load("latest", fresh, fresh_opt, ckpt_dir=directory)
         assert result is not None, f"nothing loadable after a kill at point {k}"
         validate(result.path)
-        steps_seen.add(result.step)
+        loaded.append(os.path.basename(result.path))
         ref_model, ref_opt = build("plain", seed=result.step)
         train_step(ref_model, ref_opt, result.step)
         assert compare(full_state(fresh, fresh_opt), full_state(ref_model, ref_opt)) == []
         if child.exitcode == 0:
-            break
-        killed += 1
-    assert child.exitcode == 0, "the save never completed without a kill"
+            return k - 1, loaded
+    raise AssertionError("the save never completed without a kill")
+
+
+def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, opt = build("plain", seed=1)
+    train_step(model, opt, 1)
+    Checkpointer(directory, keep_last=1).save(1, model, opt, {"progress": {"step": 1}})
+    # new steps (2 and 3 alternate, so kills also hit the pruning of the other one)
+    killed, loaded = _kill_at_every_point(directory, lambda k: 2 + k % 2)
     assert killed >= 10, f"only {killed} kill points were exercised"
-    assert steps_seen >= {1, 2, 3} or steps_seen >= {2, 3}
+    assert loaded[0] == "step-1" and loaded[-1] in ("step-2", "step-3")
+    # saving the step `latest` names again (a resumed run): the old folder is moved aside
+    # first; a kill right then must fall back to it
+    again = int(loaded[-1].split("-")[1])
+    killed, loaded = _kill_at_every_point(directory, lambda k: again)
+    assert killed >= 10
+    assert any(name.startswith(".old-step-") for name in loaded), loaded

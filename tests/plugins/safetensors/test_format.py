@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from st_layouts import build, compare, full_state, train_step
+
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
 from distrun_safetensors.manifest import VERSION, validate
 from distrun_safetensors.save import Checkpointer
 from distrun_safetensors.statecodec import decode, encode
-from st_layouts import build, compare, full_state, train_step
 
 
 def _saved(tmp_path, steps=(1,), keep_last=0, **kw):
@@ -48,8 +49,9 @@ def test_folder_has_hf_index_manifest_and_no_pickle(tmp_path):
 
 
 def test_consolidate_interop_with_safetensors_load_file(tmp_path):
-    from distrun_safetensors.consolidate import consolidate
     from safetensors.torch import load_file
+
+    from distrun_safetensors.consolidate import consolidate
 
     model, _, (path,) = _saved(tmp_path, split_bytes=16)  # force many pieces per tensor
     out = tmp_path / "hf"

@@ -75,3 +75,12 @@ def test_resume_is_bit_identical_and_resumes_elsewhere_at_the_same_sample(tmp_pa
     assert any(n.startswith("model-00002-of-00002") for n in os.listdir(folder))
     with safe_open(str(folder / "model-00001-of-00002.safetensors"), "pt") as f:
         assert len(list(f.keys())) >= 1
+
+
+def test_time_cadence_and_on_demand_save_in_one_process(tmp_path):
+    run = _fit(strategy="single", run_dir=str(tmp_path / "t"), max_steps=3,
+               ckpt_every_n_seconds=1e-9, ckpt_keep_last=0)
+    ckpts = tmp_path / "t" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["latest", "step-1", "step-2", "step-3"]
+    # on demand at a step already saved: the committed folder, not a second write
+    assert run.save_checkpoint("user") == str(ckpts / "step-3")

@@ -69,12 +69,34 @@ def load_tiny_gpt() -> Any:
     return module
 
 
+class PlannedBlocksTask(BlocksTask):
+    """A task that gives its own plan: only the first block is split."""
+
+    def parallelize_plan(self, mesh: Any) -> dict[str, Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        assert mesh.mesh_dim_names == ("tp",)
+        return {"blocks.0.fc1": ColwiseParallel(), "blocks.0.fc2": RowwiseParallel()}
+
+
 def make_task(name: str) -> Any:
+    """``blocks``, or ``gpt``: the example's tiny GPT, small, with SGD.
+
+    SGD for weight parity: Adam divides by the gradient's magnitude, so a gradient that is
+    zero up to rounding (an unused embedding row) turns a 1e-9 difference into a full step.
+    """
     if name == "blocks":
         return BlocksTask()
+    if name == "planned":
+        return PlannedBlocksTask()
     os.environ.setdefault("TINY_GPT_CHARS", "6000")
     os.environ.setdefault("TINY_GPT_DIM", "32")
-    return load_tiny_gpt().TinyGPTTask()
+
+    class SGDTinyGPT(load_tiny_gpt().TinyGPTTask):
+        def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+            return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+    return SGDTinyGPT()
 
 
 class Recorder:
@@ -98,7 +120,7 @@ class Recorder:
             if isinstance(value, DTensor):
                 value = value.full_tensor()  # a collective: the group is still up here
             state[key] = value.detach().double().tolist()
-        placements = {n: [str(p) for p in v.placements] for n, v in
+        placements = {n: [repr(p) for p in v.placements] for n, v in
                       run.unwrapped_model().state_dict().items() if isinstance(v, DTensor)}
         self.final = {"state": state, "placements": placements}
 
@@ -110,6 +132,9 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
     os.environ.pop("DISTRUN_CONFIG", None)
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_tp.plugin")
+    from distrun import plugins
+
+    plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder
     rec = Recorder()
     opts = dict(max_steps=5, batch_size=16, log_every_n_steps=1, summary=False, timeout=120.0)
     opts.update(options)
@@ -121,3 +146,22 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
 def max_weight_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((torch.tensor(a["state"][k]) - torch.tensor(b["state"][k])).abs().max().item()
                for k in a["state"])
+
+
+def train_many(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]]
+               ) -> list[dict[str, Any]]:
+    """Several (task, options) fits in this process (a fresh torch costs more than a fit)."""
+    return [train(rank, world, task, dict(options)) for task, options in runs]
+
+
+def reference(*lead: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The same training in this process with the core's single strategy (env restored)."""
+    from distrun import plugins
+
+    saved, previous = dict(os.environ), plugins._pm
+    try:
+        return train(0, 1, *lead, dict(options, strategy="single", plugins=""))
+    finally:
+        plugins.set_plugin_manager(previous)
+        os.environ.clear()
+        os.environ.update(saved)

@@ -1,0 +1,214 @@
+"""Checkpoint save/load: distrun-safetensors vs torch.save, torch.distributed.checkpoint and the
+disk's own fsync'd write speed, side by side on 2 gloo ranks in one run.
+
+    python benchmarks/checkpoint.py            # ~1 GB float32 model (16 x 4096 x 4096)
+    python benchmarks/checkpoint.py --quick    # ~64 MB
+
+The model is replicated on both ranks (DDP's layout). Each figure is the slowest rank's time
+from a barrier to the end of the operation. Writes are fsynced by every method (torch.save
+gets an explicit fsync; DCP's FileSystemWriter syncs by default). Loads read from the page
+cache (the files were just written; dropping caches needs root), so they measure the read
+path, not the disk. "extra RSS" is the peak resident-set growth during the save, sampled
+every 2 ms, against the largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+GB = 1e9
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak RSS growth over the ``with`` block, sampled in a thread."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = _rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def make_model(layers: int, dim: int) -> torch.nn.Module:
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False, device="meta")
+                                  for _ in range(layers)])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(float(i) + 0.5)
+    return model
+
+
+def _timed(fn: Any) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _fsync_write(path: str, tensors: list[torch.Tensor]) -> None:
+    with open(path, "wb", buffering=0) as fh:
+        for t in tensors:
+            fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        os.fsync(fh.fileno())
+
+
+def rank_bench(rank: int, world: int, root: str, layers: int, dim: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.tensor  # noqa: F401  (a one-time import every method pays)
+
+    from distrun_safetensors.load import load
+    from distrun_safetensors.save import Checkpointer
+
+    torch.set_num_threads(1)
+    model = make_model(layers, dim)
+    sd = model.state_dict()
+    out: dict[str, Any] = {}
+    tensors = list(sd.values())
+    mine = tensors[rank::world]  # the same bytes our save writes per rank (an even split)
+
+    out["disk"] = _timed(lambda: _fsync_write(os.path.join(root, f"raw-{rank}.bin"), mine))
+    os.unlink(os.path.join(root, f"raw-{rank}.bin"))
+
+    saver = Checkpointer(os.path.join(root, "ours"), keep_last=0)
+    with PeakRSS() as mem:
+        out["ours_save"] = _timed(lambda: saver.save(1, model, reason="bench"))
+    out["ours_save_extra_rss"] = mem.extra
+
+    def torch_save() -> None:
+        if rank == 0:
+            path = os.path.join(root, "torch.pt")
+            torch.save(sd, path)
+            with open(path, "rb+") as fh:
+                os.fsync(fh.fileno())
+
+    with PeakRSS() as mem:
+        out["torch_save"] = _timed(torch_save)
+    out["torch_save_extra_rss"] = mem.extra
+
+    with PeakRSS() as mem:
+        out["dcp_save"] = _timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp")))
+    out["dcp_save_extra_rss"] = mem.extra
+
+    fresh = make_model(layers, dim)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    out["ours_load"] = _timed(lambda: load(os.path.join(root, "ours", "step-1"), fresh))
+    out["ours_load_noverify"] = _timed(
+        lambda: load(os.path.join(root, "ours", "step-1"), fresh, verify=False))
+    ok = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), tensors,
+                                               strict=True))
+    target = fresh.state_dict()
+    out["dcp_load"] = _timed(lambda: dcp.load(target, checkpoint_id=os.path.join(root, "dcp")))
+    out["torch_load"] = _timed(lambda: torch.load(os.path.join(root, "torch.pt"),
+                                                  weights_only=True))
+    out["ok"] = ok
+    out["largest"] = max(t.numel() * t.element_size() for t in tensors)
+    out["bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+    dist.barrier()
+    return out
+
+
+def resharded_load(root: str, layers: int, dim: int) -> float:
+    """Load the 2-rank checkpoint into one process (no process group)."""
+    import torch.distributed.tensor  # noqa: F401
+
+    from distrun_safetensors.load import load
+
+    model = make_model(layers, dim)
+    start = time.perf_counter()
+    load(os.path.join(root, "ours", "step-1"), model)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~64 MB model instead of ~1 GB")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    args = parser.parse_args(argv)
+    layers, dim = (16, 1024) if args.quick else (16, 4096)
+    root = tempfile.mkdtemp(prefix="distrun-ckpt-bench-", dir=args.dir)
+    from distrun.testing import run_on_ranks
+
+    try:
+        res = run_on_ranks(rank_bench, 2, root, layers, dim, init_process_group=True,
+                           timeout=900)
+        reshard = resharded_load(root, layers, dim)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    r0 = res[0]
+    size = r0["bytes"]
+
+    def rate(key: str) -> float:
+        return size / GB / max(r[key] for r in res)
+
+    print(f"model: {layers} x {dim}x{dim} float32 = {size / GB:.3f} GB, replicated on 2 ranks "
+          f"(largest tensor {r0['largest'] / 1e6:.0f} MB); loads bit-equal: "
+          f"{all(r['ok'] for r in res)}")
+    disk = rate("disk")
+    rows = [("fsync'd write of the same bytes (2 writers)", "disk"),
+            ("distrun-safetensors save", "ours_save"), ("torch.save on rank 0 + fsync", "torch_save"),
+            ("torch.distributed.checkpoint save", "dcp_save")]
+    print(f"{'save':<46} {'GB/s':>7} {'vs disk':>8}")
+    for label, key in rows:
+        print(f"{label:<46} {rate(key):7.2f} {rate(key) / disk:7.2f}x")
+    ours = rate("ours_save")
+    print(f"  ours vs torch.save: {ours / rate('torch_save'):.2f}x faster; "
+          f"ours vs DCP: {ours / rate('dcp_save'):.2f}x faster")
+    print(f"{'load (page cache warm)':<46} {'GB/s':>7}")
+    for label, key in (("distrun-safetensors load (2 -> 2 ranks)", "ours_load"),
+                       ("  same, --no-ckpt-verify (no CRC pass)", "ours_load_noverify"),
+                       ("torch.distributed.checkpoint load", "dcp_load"),
+                       ("torch.load(weights_only) on each rank", "torch_load")):
+        print(f"{label:<46} {rate(key):7.2f}")
+    same = max(r["ours_load"] for r in res)
+    print(f"{'distrun-safetensors resharded load (2 -> 1)':<46} {size / GB / reshard:7.2f}   "
+          f"{reshard / same:.2f}x the same-layout time")
+    print(f"  ours load vs DCP load: {rate('ours_load') / rate('dcp_load'):.2f}x with CRC check, "
+          f"{rate('ours_load_noverify') / rate('dcp_load'):.2f}x without")
+    print("peak extra RSS during save, per rank (vs the largest tensor):")
+    for key, label in (("ours_save_extra_rss", "distrun-safetensors"),
+                       ("torch_save_extra_rss", "torch.save (rank 0 writes)"),
+                       ("dcp_save_extra_rss", "DCP")):
+        figures = ", ".join(f"rank {i}: {r[key] / 1e6:.0f} MB ({r[key] / r0['largest']:.2f}x)"
+                            for i, r in enumerate(res))
+        print(f"  {label:<28} {figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,17 @@
+"""A plain torchrun-style script (no torch, no distrun): prints its launch environment.
+
+With ``FAIL_FIRST=1``, rank 1 of the first attempt exits with code 3 after printing.
+"""
+
+import json
+import os
+import sys
+
+KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "DISTRUN_CONFIG")
+env = {k: os.environ.get(k) for k in KEYS}
+print("ENV " + json.dumps(env), flush=True)
+if os.environ.get("FAIL_FIRST") and env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["RANK"] == "1":
+    print("first attempt fails on purpose", file=sys.stderr, flush=True)
+    sys.exit(3)

@@ -1,0 +1,123 @@
+"""The launch side: options, the plan handed to torch's agent, and torchrun's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from distrun import UsageError
+from distrun.config import CONFIG_ENV, resolve_config, with_values
+from distrun.plugins import make_plugin_manager
+from distrun.registry import collect_options
+from distrun.testing import run_cli
+
+HERE = Path(__file__).resolve().parent
+ENV = {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "DISTRUN_PLUGINS": "distrun_elastic.plugin"}
+
+
+def config_of(**flags):
+    from distrun_elastic.settings import make_plan  # noqa: F401 - torch-free import check
+
+    pm = make_plugin_manager(autoload=False, extra=["distrun_elastic.plugin"])
+    config = resolve_config(collect_options(pm), flags={k: str(v) for k, v in flags.items()})
+    # What the core's launcher fills in before distrun_launch: a default name and folder.
+    name = config.name or "train-20260101-120000"
+    return with_values(config, name=name, run_dir=config.run_dir or os.path.join("runs", name))
+
+
+def test_answers_only_when_elasticity_is_asked_for():
+    from distrun_elastic.settings import wants_elastic
+
+    assert not wants_elastic(config_of())
+    assert not wants_elastic(config_of(nnodes="2"))
+    assert wants_elastic(config_of(max_restarts=1))
+    assert wants_elastic(config_of(nnodes="1:2"))
+    assert wants_elastic(config_of(rdzv_endpoint="10.0.0.1:29400"))
+
+
+def test_single_node_plan_binds_loopback_and_resumes_automatically():
+    from distrun_elastic.settings import make_plan
+
+    environ: dict[str, str] = {}
+    plan, config = make_plan(config_of(max_restarts=2, nproc_per_node=2), environ)
+    assert (plan.min_nodes, plan.max_nodes, plan.nproc_per_node) == (1, 1, 2)
+    assert plan.rdzv_backend == "c10d" and plan.rdzv_endpoint == "127.0.0.1:0"
+    assert plan.local_addr == "127.0.0.1"
+    assert json.loads(environ[CONFIG_ENV])["values"]["resume"] == "auto"
+    assert config.resume == "auto"
+
+
+def test_an_explicit_resume_choice_is_kept():
+    from distrun_elastic.settings import make_plan
+
+    environ: dict[str, str] = {}
+    make_plan(config_of(max_restarts=1, resume="never"), environ)
+    assert json.loads(environ[CONFIG_ENV])["values"]["resume"] == "never"
+
+
+def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
+    from distrun_elastic.settings import make_plan
+
+    environ: dict[str, str] = {}
+    plan, config = make_plan(config_of(nnodes="1:4", rdzv_endpoint="10.1.2.3:29400",
+                                       rdzv_id="job7", rdzv_conf="last_call_timeout=5"), environ)
+    assert plan.run_id == "job7" and config.name == "job7"
+    assert config.run_dir == os.path.join("runs", "job7")
+    assert plan.local_addr is None  # a real address: torch uses this host's name
+    assert plan.rdzv_configs == {"last_call_timeout": "5"}
+    # A name the user chose wins over the rendezvous id.
+    _, named = make_plan(config_of(nnodes="1:4", rdzv_endpoint="h:1", rdzv_id="job7",
+                                   name="mine"), {})
+    assert named.name == "mine"
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"nnodes": "1:2"}, "needs --rdzv-endpoint HOST:PORT"),
+    ({"nnodes": "1:2", "rdzv_endpoint": "h:1"}, "needs --rdzv-id ID"),
+    ({"max_restarts": 1, "rdzv_conf": "oops"}, "is not KEY=VALUE"),
+    ({"nnodes": "1:2", "rdzv_backend": "static"}, "needs a dynamic rendezvous"),
+])
+def test_plan_errors_say_how_to_fix(flags, message):
+    from distrun_elastic.settings import make_plan
+
+    with pytest.raises(UsageError, match=message):
+        make_plan(config_of(**flags), {})
+
+
+def test_help_lists_the_options_and_a_range_without_endpoint_is_a_usage_error(tmp_path):
+    help_text = run_cli("run", "--help", env=ENV).stdout
+    for flag in ("--max-restarts", "--max_restarts", "--rdzv-endpoint", "--rdzv_endpoint",
+                 "--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--monitor-interval"):
+        assert flag in help_text
+    result = run_cli("run", "--nnodes", "1:2", str(HERE / "envdump.py"), cwd=tmp_path, env=ENV)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --nnodes 1:2 needs --rdzv-endpoint HOST:PORT: the address every node can reach "
+        "(the node at HOST hosts the rendezvous)"]
+
+
+def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
+    # torchrun's spellings, a plain script, rank 1 fails once: one restart, then success.
+    result = run_cli("run", "--max_restarts", "1", "--nproc_per_node", "2", "--tee",
+                     "--monitor_interval", "0.05", str(HERE / "envdump.py"), cwd=tmp_path,
+                     env={**ENV, "FAIL_FIRST": "1"})
+    assert result.returncode == 0, result
+    assert "distrun: rank 1 exited with code 3; restarting the workers" in result.stderr
+    assert "[rank1]: first attempt fails on purpose" in result.stderr
+    envs = [json.loads(line.split("ENV ", 1)[1]) for line in result.stdout.splitlines()
+            if "ENV " in line]
+    last = [e for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
+    assert sorted(e["RANK"] for e in last) == ["0", "1"]
+    for env in envs:
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["OMP_NUM_THREADS"] == "1"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # pytorch#167288 avoided
+        assert json.loads(env["DISTRUN_CONFIG"])["values"]["resume"] == "auto"
+    for line in result.stdout.splitlines():
+        assert line.startswith(("[rank0]: ", "[rank1]: "))
+    # Each attempt's rendezvous picks its own store port.
+    ports = {e["TORCHELASTIC_RESTART_COUNT"]: e["MASTER_PORT"] for e in envs}
+    assert ports["0"] != ports["1"]

@@ -1,0 +1,88 @@
+"""Uneven inputs finish: Join for DDP, agreed step counts otherwise, a clear error without."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.testing import run_cli, run_on_ranks
+
+sys.path.insert(0, os.path.dirname(__file__))  # join_tasks, importable by spawned ranks too
+from join_tasks import fit_uneven  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "uneven_inputs.py"
+TASKS = str(Path(__file__).with_name("join_tasks.py"))
+
+COMMON = dict(timeout=60, seed=0)
+RUNS = {
+    # DDP: each epoch inside Join; two epochs so the post-Join resync is exercised too
+    "join": dict(COMMON, strategy="ddp", max_epochs=2),
+    "join_accum": dict(COMMON, strategy="ddp", grad_accum=2),
+    # a strategy with no Joinable: the ranks agree on the smaller count
+    "agree": dict(COMMON, strategy="manual_allreduce", max_epochs=2),
+    "agree_forced_ddp": dict(COMMON, strategy="ddp", join_mode="agree"),
+    # last: both ranks raise, then the group is not reused
+    "throw": dict(COMMON, strategy="ddp", join_throw_on_early_termination=True),
+}
+
+
+@pytest.fixture(scope="module")
+def join_runs(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("join"))
+    runs = [dict(opts, run_dir=run_dir) for opts in RUNS.values()]
+    out = run_on_ranks(fit_uneven, 2, runs, timeout=200, init_process_group=True)
+    return [dict(zip(RUNS, per_rank, strict=True)) for per_rank in out]
+
+
+@pytest.mark.parametrize("name", ["join", "join_accum", "agree", "agree_forced_ddp"])
+def test_uneven_ranks_finish_with_equal_parameters(join_runs, name):
+    a, b = join_runs[0][name], join_runs[1][name]
+    assert "error" not in a and "error" not in b, (a, b)
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
+    assert a["steps"] == b["steps"]  # the group's step count, the same on both ranks
+
+
+def test_join_counts_the_longest_ranks_steps(join_runs):
+    assert join_runs[0]["join"]["steps"] == 16  # 8 steps x 2 epochs: rank 0 shadowed 3 a epoch
+    assert join_runs[0]["join_accum"]["steps"] == 4  # 8 micro-batches / 2
+
+
+def test_agree_drops_the_surplus_batches(join_runs):
+    # every rank trains on min(5, 8) = 5 batches per epoch; rank 1's last 3 are dropped
+    assert join_runs[0]["agree"]["micro_steps"] == join_runs[1]["agree"]["micro_steps"] == 10
+    assert join_runs[0]["agree"]["strategy"] == "manual_allreduce"
+    assert join_runs[1]["agree_forced_ddp"]["steps"] == 5
+
+
+def test_throw_on_early_termination_raises_on_both_ranks(join_runs):
+    first, second = join_runs[0]["throw"]["error"], join_runs[1]["throw"]["error"]
+    assert first.startswith("rank 0: this rank ran out of batches in epoch 0 at step 5")
+    assert second.startswith("rank 1: another rank ran out of batches in epoch 0")
+    assert "join_throw_on_early_termination" in first
+
+
+def test_join_tutorial_example_completes(tmp_path):
+    result = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--run-dir",
+                     str(tmp_path / "run"), str(EXAMPLE), cwd=tmp_path)
+    assert result.returncode == 0, result
+    lines = [ln for ln in result.stdout.splitlines() if "has exhausted all" in ln]
+    assert len(lines) == 2, result
+    assert any(ln.startswith("Rank 0 has exhausted all 5 of its inputs!") for ln in lines)
+    assert any(ln.startswith("Rank 1 has exhausted all 6 of its inputs!") for ln in lines)
+    weights = {ln.split("weight ")[1].split(",")[0] for ln in lines}
+    assert len(weights) == 1, lines  # both ranks end with the same parameters
+
+
+def test_without_the_plugin_uneven_inputs_end_in_a_clear_timeout(tmp_path):
+    result = run_cli("-p", "no:join", "run", "--nproc-per-node", "2", "--strategy", "ddp",
+                     "--timeout", "8", "--run-dir", str(tmp_path / "run"),
+                     f"{TASKS}:Uneven", cwd=tmp_path, timeout=240)
+    assert result.returncode == 1, result
+    assert "timed out after 8s: the ranks are out of step" in result.stderr, result
+    assert "pip install distrun-join" in result.stderr
+    assert "--timeout SECONDS or DISTRUN_TIMEOUT" in result.stderr
+    assert "Traceback" not in result.stderr
