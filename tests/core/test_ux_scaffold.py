@@ -1,6 +1,6 @@
 """`distrun plugin new NAME`: the generated plugin installs with pip, is listed, and its own
-tests pass. It is installed into a throwaway venv layered on this environment
-(--system-site-packages), so concurrent test runs never see a half-installed plugin."""
+tests pass. It is installed into a throwaway venv that sees this environment's packages
+through a .pth file, so concurrent test runs never see a half-installed plugin."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ import tomllib
 from distrun.testing import run_cli
 
 pytest.importorskip("setuptools", reason="building the plugin needs setuptools")
+
+
+def layered_venv(path) -> str:
+    """A venv whose site-packages adds this interpreter's site dirs (and runs their .pth
+    files: editable installs); works from a plain interpreter, a venv or a tox env."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   timeout=120)
+    site_dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    (site_packages,) = path.glob("lib/python*/site-packages")
+    (site_packages / "_distrun_parent_env.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
+    return str(path / "bin" / "python")
 
 
 def pip(venv_python: str, *args: str) -> subprocess.CompletedProcess:
@@ -35,9 +47,7 @@ def test_new_plugin_installs_lists_and_passes_its_tests(tmp_path):
                                                           "distrun_step_count.plugin"}
     assert "contrib-step_count: -e plugins_contrib/step_count" in result.stdout
 
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(tmp_path / "venv")], check=True, timeout=120)
-    py = str(tmp_path / "venv" / "bin" / "python")
+    py = layered_venv(tmp_path / "venv")
     installed = pip(py, "install", "--no-deps", "--no-build-isolation", str(root))
     assert installed.returncode == 0, installed.stderr
 

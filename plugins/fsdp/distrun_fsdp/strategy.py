@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from distrun.base_strategy import BaseStrategy
@@ -42,8 +42,7 @@ class FSDPStrategy(BaseStrategy):
         tp = int(self.config.get("tp_size", 1) or 1)
         self.dims = ParallelDims.from_world(self.world_size, tp=tp,
                                             dp_replicate=self.config.fsdp_replicate_degree)
-        self.mesh: DeviceMesh = init_device_mesh(self.device.type, self.dims.mesh_shape,
-                                                 mesh_dim_names=self.dims.mesh_dim_names)
+        self.mesh: DeviceMesh = self.dims.build_mesh(self.device.type, self.config.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or ()))
         self.dp_rank = coord.get("dp", 0) if self.dims.dp_replicate == 1 else \
             coord["dp_replicate"] * self.dims.dp_shard + coord["dp_shard"]

@@ -149,10 +149,8 @@ class RpcStrategy(BaseStrategy):
         return state
 
     def _serve(self, state: server.ServerState) -> None:
-        # DistributedOptimizer scripts its optimizers on this rank, in RPC threads.
-        with quiet_torchscript():
-            while not state.done.wait(0.2):
-                pass
+        while not state.done.wait(0.2):  # RPC threads do the work
+            pass
         if state.failed:
             self.failed = True
             names = ", ".join(self.roles.describe(t) for t in state.failed)
@@ -192,7 +190,7 @@ class RpcStrategy(BaseStrategy):
 
         if self.mode == "ddp":
             model = self.local_model
-            rrefs = list(self._hybrid_remote().remote_parameters())
+            rrefs = list(self._hybrid.remote.remote_parameters())
             rrefs += [rpc.RRef(p) for p in model.parameters()]
             server.install_trainer_optimizer(optimizer)  # steps the dense part (see factory)
         else:
@@ -203,9 +201,6 @@ class RpcStrategy(BaseStrategy):
         with quiet_torchscript(), _quiet_logger("torch.distributed.optim.optimizer"):
             self.dist_optimizer = DistributedOptimizer(server.OptimizerFactory(cls, kwargs), rrefs)
         return RemoteOptimizer(optimizer, self._dist_step)
-
-    def _hybrid_remote(self) -> Any:
-        return self._hybrid.remote
 
     # -- per step -------------------------------------------------------------------------
     def open_context(self) -> int:

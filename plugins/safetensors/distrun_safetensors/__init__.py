@@ -1,1 +1,25 @@
-"""distrun-safetensors: Sharded, crash-consistent safetensors checkpoints for distrun."""
+"""distrun-safetensors: sharded, crash-consistent safetensors checkpoints for distrun.
+
+Importing the package does not import torch (the ``distrun`` command loads it as a plugin).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun_safetensors.files import CheckpointError
+
+__all__ = ["CheckpointError", "Checkpointer", "load_checkpoint", "validate"]
+
+_LAZY = {"Checkpointer": ("distrun_safetensors.save", "Checkpointer"),
+         "load_checkpoint": ("distrun_safetensors.load", "load"),
+         "validate": ("distrun_safetensors.manifest", "validate")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'distrun_safetensors' has no attribute {name!r}")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from distrun import UsageError
 from distrun.base_strategy import BaseStrategy
@@ -41,9 +43,24 @@ class TPStrategy(BaseStrategy):
                 f"parallel x {tp}-way tensor parallel)"
             )
         self.dims = ParallelDims.from_world(self.world_size, tp=tp)
-        self.mesh: DeviceMesh = init_device_mesh(self.device.type, self.dims.mesh_shape,
-                                                 mesh_dim_names=self.dims.mesh_dim_names)
+        self.mesh: DeviceMesh = self.dims.build_mesh(self.device.type, self.config.timeout)
         self.dp_rank, self.dp_world_size = 0, 1
         run.extras["device_mesh"] = self.mesh
         run.extras["parallel_dims"] = self.dims
         run.log.info("tp: %s", self.dims)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; split and replicated parameters mix in one model."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = torch.zeros((), device=self.device)
+        for g in grads:
+            norm = g.detach().float().norm()
+            if isinstance(norm, DTensor):  # a sharded norm: reduced over the tp group
+                norm = norm.full_tensor()
+            total += norm * norm
+        total = total.sqrt()
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total

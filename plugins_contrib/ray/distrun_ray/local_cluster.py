@@ -7,6 +7,7 @@ the loopback address and every port on 127.0.0.1.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -47,9 +48,11 @@ class LocalRayCluster:
                    "--node-ip-address", "127.0.0.1", "--port", str(port),
                    "--num-cpus", str(self.num_cpus), "--include-dashboard", "false",
                    "--disable-usage-stats", "--temp-dir", self.temp_dir,
-                   "--ray-client-server-port", str(_free_port()),
                    "--dashboard-agent-listen-port", str(_free_port()),
                    "--object-store-memory", str(100 * 1024 * 1024)]
+        if importlib.util.find_spec("grpc") is not None:
+            # Ray's client server (only with ray[client]) would take the fixed port 10001.
+            command += ["--ray-client-server-port", str(_free_port())]
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **self.env}
         env.pop("RAY_ADDRESS", None)
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")  # noqa: SIM115

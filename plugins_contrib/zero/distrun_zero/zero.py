@@ -36,6 +36,11 @@ class ZeroOptimizer(ZeroRedundancyOptimizer):
                                    group=self.process_group)
         return full[0]
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take this rank's shard of a whole ``torch.optim`` state (the caller's dict is kept)."""
+        # torch's version overwrites other ranks' entries of the dict it is given with None
+        super().load_state_dict({**state_dict, "state": dict(state_dict["state"])})
+
 
 def shard_optimizer(run: Run) -> None:
     """Replace ``run.optimizer`` by a :class:`ZeroOptimizer` of the same class and groups."""

@@ -1,11 +1,14 @@
 """A plain torchrun-style script (no torch, no distrun): prints its launch environment.
 
-With ``FAIL_FIRST=1``, rank 1 of the first attempt exits with code 3 after printing.
+With ``FAIL_FIRST=1``, rank 1 of the first attempt exits with code 3 after printing; with
+``FAIL_ALWAYS=1`` rank 1 does so in every attempt (with ``FAIL_CODE``, default 3) while
+rank 0 waits to be stopped.
 """
 
 import json
 import os
 import sys
+import time
 
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
@@ -15,3 +18,9 @@ print("ENV " + json.dumps(env), flush=True)
 if os.environ.get("FAIL_FIRST") and env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["RANK"] == "1":
     print("first attempt fails on purpose", file=sys.stderr, flush=True)
     sys.exit(3)
+if os.environ.get("FAIL_ALWAYS"):
+    if env["RANK"] == "1":
+        print(f"attempt {env['TORCHELASTIC_RESTART_COUNT']}: step 3 went wrong", file=sys.stderr)
+        print("ValueError: injected failure", file=sys.stderr, flush=True)
+        sys.exit(int(os.environ.get("FAIL_CODE", "3")))
+    time.sleep(120)

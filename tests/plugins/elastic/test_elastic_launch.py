@@ -121,3 +121,29 @@ def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
     # Each attempt's rendezvous picks its own store port.
     ports = {e["TORCHELASTIC_RESTART_COUNT"]: e["MASTER_PORT"] for e in envs}
     assert ports["0"] != ports["1"]
+
+
+def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
+    # Rank 1 fails in both attempts; rank 0 is stopped by the agent and is not reported.
+    result = run_cli("run", "--max-restarts", "1", "--nproc-per-node", "2",
+                     str(HERE / "envdump.py"), cwd=tmp_path, env={**ENV, "FAIL_ALWAYS": "1"})
+    assert result.returncode == 3, result
+    err = result.stderr
+    assert err.count("distrun: rank 1 exited with code 3; restarting") == 1, result
+    assert err.count("distrun: rank 1 failed with exit code 3; its last lines:") == 1, result
+    assert "rank 0" not in err
+    report = err.split("its last lines:")[1].splitlines()
+    assert report[-2:] == ["  [rank1] attempt 1: step 3 went wrong",
+                          "  [rank1] ValueError: injected failure"]
+
+
+@pytest.mark.parametrize("code, said", [(143, "exit 143 (requeue)"), (2, "")])
+def test_requeue_and_usage_error_exits_are_not_restarted(tmp_path, code, said):
+    # 143: the workers saved a preemption checkpoint; 2: a usage error. Neither is retried.
+    result = run_cli("run", "--max-restarts", "3", "--nproc-per-node", "2",
+                     str(HERE / "envdump.py"), cwd=tmp_path,
+                     env={**ENV, "FAIL_ALWAYS": "1", "FAIL_CODE": str(code)})
+    assert result.returncode == code, result
+    assert "restarting" not in result.stderr
+    assert said in result.stderr
+    assert result.stdout.count("ENV ") == 2  # one attempt only

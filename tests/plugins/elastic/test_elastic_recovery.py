@@ -41,6 +41,7 @@ def starts(rec) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ten_sigkills_in_a_row_each_restart_resumes_bit_identical(tmp_path, reference):
     """One run, ten attempts each ended by SIGKILL of a random rank at a random step.
 
@@ -57,7 +58,7 @@ def test_ten_sigkills_in_a_row_each_restart_resumes_bit_identical(tmp_path, refe
     rec = tmp_path / "rec"
     result = run_cli("run", "--max-restarts", "10", "--ckpt-every-n-steps", str(CKPT_EVERY),
                      *TRAIN, "--name", "kills", TASK, cwd=tmp_path,
-                     env=plugin_env(rec, EL_KILL_PLAN=plan), timeout=280)
+                     env=plugin_env(rec, EL_KILL_PLAN=plan), timeout=880)
     assert result.returncode == 0, f"kill plan {plan}\n{result}"
     assert result.stderr.count("restarting the workers") == 10, result
     got = starts(rec)
@@ -167,15 +168,3 @@ def test_two_launchers_one_leaves_the_other_continues_alone(tmp_path, reference)
     assert max(trained) == 36
     want = steps_trained(reference)
     assert all(sorted(trained[s]) == sorted(want[s]) for s in range(1, 37))
-
-
-def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
-    rec = tmp_path / "rec"
-    result = run_cli("run", "--max-restarts", "1", *TRAIN, "--name", "boom", TASK,
-                     cwd=tmp_path, env=plugin_env(rec, EL_RAISE="3:1"))
-    assert result.returncode == 1, result
-    err = result.stderr
-    assert err.count("rank 1 exited with code 1; restarting") == 1, result
-    assert err.count("distrun: rank 1 failed with exit code 1; its last lines:") == 1, result
-    assert "injected failure at step 3" in err.split("its last lines:")[1]
-    assert "distrun: rank 0 failed" not in err

@@ -84,6 +84,7 @@ class Recorder:
         self.final = {
             "state": full_state(run.unwrapped_model()),
             "param_types": sorted({type(p).__name__ for p in run.model.parameters()}),
+            "mesh_timeouts": _mesh_timeouts(run),
             "local_numel": sum(_local(p).numel() for p in run.model.parameters()),
             "opt_numel": sum(_local(v).numel() for s in run.optimizer.state.values()
                              for v in s.values() if isinstance(v, torch.Tensor) and v.dim()),
@@ -97,6 +98,14 @@ class Recorder:
     def distrun_log_metrics(self, run: Any, step: int, metrics: Any) -> None:
         if "loss" in metrics:
             self.losses.append(metrics["loss"])
+
+
+def _mesh_timeouts(run: Any) -> list[float]:
+    mesh = getattr(run.strategy, "mesh", None)
+    if mesh is None:
+        return []
+    return [mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout
+            .total_seconds() for name in mesh.mesh_dim_names]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,8 @@ def test_fsdp_two_ranks_match_one_process(runs: dict) -> None:
     _check_parity(reference, out)
     # every rank trains on its half of the global batch
     assert [o["dp"] for o in out] == [(0, 2), (1, 2)]
+    # the mesh's sub-groups time out like the run (--timeout 120), not after torch's 30 min
+    assert out[0]["mesh_timeouts"] == [120.0, 120.0]
     # parameters and optimizer state are DTensors sharded over the ranks: half each
     assert out[0]["param_types"] == ["DTensor"]
     assert "DTensor" in out[0]["opt_state_types"]

@@ -1,0 +1,196 @@
+"""Per-step overhead of distrun's loop: `distrun run --strategy ddp` vs a hand-written DDP loop.
+
+    python benchmarks/step_overhead.py            # ~50K-param model and ~5M-param MLP
+    python benchmarks/step_overhead.py --quick    # fewer steps
+
+For each model, one `distrun run --nproc-per-node 2 --strategy ddp` launch (2 processes,
+gloo, OMP_NUM_THREADS=1) runs, in the same two processes and alternating so that machine load
+hits both alike: the hand-written loop (nanoGPT-style: DistributedSampler DataLoader, DDP,
+zero_grad/forward/backward/step, nothing else) and `distrun.Trainer(...).fit(task)` on the
+same model, data, seed, global batch and optimizer. Steps/s are timed between the end of a
+warm-up step and the end of the last step, from inside each loop. Printed: steps/s of both
+and the ratio distrun / hand-written (target >= 0.97); best of the repeats and the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from distrun import hookimpl
+
+SIZES = {  # name: (input, hidden layers, classes)
+    "tiny-50K": (128, [256, 64], 10),
+    "mlp-5M": (512, [2048, 2048], 10),
+}
+GLOBAL_BATCH = 64
+
+
+def _model(size: str) -> Any:
+    from torch import nn
+
+    n_in, hidden, n_out = SIZES[size]
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [nn.Linear(n_in, width), nn.ReLU()]
+        n_in = width
+    layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def _data(size: str, steps: int) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    n = steps * GLOBAL_BATCH
+    x = torch.randn(n, SIZES[size][0], generator=gen)
+    y = torch.randint(0, SIZES[size][2], (n,), generator=gen)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def hand_written(size: str, steps: int, warmup: int) -> float:
+    """The baseline: a plain torch DDP loop. Returns steps/s after the warm-up."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.manual_seed(0)
+    model = DDP(_model(size))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = _data(size, steps)
+    sampler = DistributedSampler(data, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH // dist.get_world_size(), sampler=sampler,
+                        drop_last=True)
+    start = None
+    for step, (x, y) in enumerate(loader, 1):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if step == warmup:
+            start = time.perf_counter()
+    return (steps - warmup) / (time.perf_counter() - start)
+
+
+class _Task:
+    def __init__(self, size: str, steps: int) -> None:
+        self.size, self.steps = size, steps
+
+    def configure_model(self) -> Any:
+        return _model(self.size)
+
+    def configure_optimizer(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.SGD(params, lr=0.01)
+
+    def train_data(self) -> Any:
+        return _data(self.size, self.steps)
+
+    def training_step(self, model: Any, batch: Any) -> Any:
+        import torch.nn.functional as F
+
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+class _Timer:
+    """A plugin: the time at the end of the warm-up step and of the last step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start = self.end = 0.0
+
+    @hookimpl
+    def distrun_on_step_end(self, run: Any, step: int) -> None:
+        if step == self.warmup:
+            self.start = time.perf_counter()
+        self.end = time.perf_counter()
+
+
+def with_distrun(size: str, steps: int, warmup: int, run_dir: str) -> float:
+    import distrun
+
+    timer = _Timer(warmup)
+    run = distrun.Trainer(plugins=(timer,), batch_size=GLOBAL_BATCH, max_steps=steps, seed=0,
+                          summary=False, run_dir=run_dir, log_every_n_steps=10).fit(
+        _Task(size, steps))
+    run.pm.unregister(timer)
+    return (steps - warmup) / (timer.end - timer.start)
+
+
+def worker(size: str, steps: int, warmup: int, repeats: int, out: str) -> None:
+    """Inside `distrun run`: alternate both loops in this process group; rank 0 writes JSON."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    results: dict[str, list[float]] = {"torch": [], "distrun": []}
+    for _ in range(repeats):
+        results["torch"].append(hand_written(size, steps, warmup))
+        dist.barrier()
+        results["distrun"].append(with_distrun(size, steps, warmup, os.path.dirname(out)))
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out, "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
+                                                      "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        size, steps, warmup, repeats, out = args.worker
+        worker(size, int(steps), int(warmup), int(repeats), out)
+        return 0
+    plan = {"tiny-50K": (400, 50), "mlp-5M": (60, 10)}
+    repeats = 3
+    if args.quick:
+        plan, repeats = {"tiny-50K": (150, 20), "mlp-5M": (25, 5)}, 2
+    env = dict(os.environ, OMP_NUM_THREADS="1", DISTRUN_BLOCK_PLUGINS="progress")
+    print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}; "
+          f"best (median) of {repeats} alternating repeats")
+    print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")
+    ok = True
+    for size, (steps, warmup) in plan.items():
+        params = sum(p.numel() for p in _model(size).parameters())
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
+                   "--strategy", "ddp", "--run-dir", tmp, os.path.abspath(__file__),
+                   "--worker", size, str(steps), str(warmup), str(repeats), out]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+            if proc.returncode != 0 or not os.path.exists(out):
+                print(f"{size}: the run failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+                ok = False
+                continue
+            with open(out) as fh:
+                res = json.load(fh)
+        t, d = res["torch"], res["distrun"]
+        ratio = max(d) / max(t)
+        ratio_med = statistics.median(d) / statistics.median(t)
+        print(f"{size:<10} {params:>9,} {max(t):>8.1f} ({statistics.median(t):>5.1f}) "
+              f"{max(d):>8.1f} ({statistics.median(d):>5.1f}) "
+              f"{ratio:>6.3f} ({ratio_med:.3f})")
+    print("target: ratio >= 0.97")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
