@@ -69,8 +69,9 @@ def render_toml(options: Iterable[Option], values: Mapping[str, Any],
                 sources: Mapping[str, str], header: str = "") -> str:
     """Every option's value with its source as a trailing comment, grouped by plugin.
 
-    Values TOML cannot hold (None) are written commented out, so the file loads back with
-    ``--config`` to the same run.
+    Defaults and values TOML cannot hold (None) are written commented out, so the file loads
+    back with ``--config`` to the same run: it pins only what was set, and a value the task
+    sets in code is not overridden by a default from the file.
     """
     lines = [_comment(header), ""] if header else []
     for plugin, opts in _groups(options).items():
@@ -81,6 +82,8 @@ def render_toml(options: Iterable[Option], values: Mapping[str, Any],
             literal = toml_value(value)
             if literal is None:
                 lines.append(f"# {opt.name} =   # {source} (unset)")
+            elif source == "default":
+                lines.append(f"# {opt.name} = {literal}  # default")
             else:
                 lines.append(f"{opt.name} = {literal}  # {source}")
         lines.append("")

@@ -128,6 +128,7 @@ class WorkerGroup:
                     self._seen_errors.add(line)
                 dst.write(f"[rank{worker.rank}]: {line}" if self.tee else line)
                 dst.flush()
+        src.close()
 
     def signal_all(self, signum: int) -> None:
         for w in self.workers:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
 
 from distrun.markers import hookimpl
 
-__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "render_config", "value_sources",
-           "write_config"]
+__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "fill_code_values", "render_config",
+           "value_sources", "write_config"]
 
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
@@ -70,8 +71,8 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
     command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
     header = (f"Resolved config of run {config.name!r}, written "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
-              f"Each value's source follows it. Load again with "
-              f"`distrun run --config {path} ...`.")
+              f"Each value's source follows it; defaults are commented out. Load again "
+              f"with `distrun run --config {path} ...`.")
     text = render_config(config, options, header=header)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -93,11 +94,38 @@ def distrun_launch(config, command, environ):
     return (yield)
 
 
+def fill_code_values(config: Any, path: str) -> None:
+    """Mark in the launcher's ``config.toml`` the values the task gave in code.
+
+    The launcher cannot see ``Trainer(max_epochs=3)``; rank 0 rewrites those lines in place.
+    """
+    from distrun.configcmd import toml_value
+
+    code = {name for name, source in config.sources.items() if source == "code"}
+    if not code or not os.path.exists(path):
+        return
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(r"^(?:# )?(\w+) = ", line)
+        literal = toml_value(config.get(match.group(1))) if match and match.group(1) in code \
+            else None
+        if literal is not None:
+            lines[i] = f"{match.group(1)} = {literal}  # code"
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
 @hookimpl
 def distrun_configure(config):
     from distrun.config import CONFIG_ENV
 
-    # Only a run started without `distrun run` (python train.py) writes it from a worker.
-    if CONFIG_ENV in os.environ or int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
+    if int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
         return
-    write_config(config, os.path.join(config.run_dir, CONFIG_FILE))
+    path = os.path.join(config.run_dir, CONFIG_FILE)
+    if CONFIG_ENV in os.environ:  # launched: the launcher wrote it; add values set in code
+        fill_code_values(config, path)
+    else:  # `python train.py`: nobody else will write it
+        write_config(config, path)

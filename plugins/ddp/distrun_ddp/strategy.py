@@ -9,9 +9,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from distrun.base_strategy import BaseStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from distrun.base_strategy import BaseStrategy
 from distrun_ddp.comm_hooks import register_comm_hook
 
 if TYPE_CHECKING:

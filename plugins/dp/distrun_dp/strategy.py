@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+
 from distrun.base_strategy import BaseStrategy
 from distrun.errors import UsageError
 

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable
+
 from distrun import DistrunError
 from distrun.config import with_values
 from distrun.run import Run
-from torch.distributed.algorithms.join import Join, Joinable
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 

@@ -79,6 +79,8 @@ def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
             ckpt = validate(folder, rank, world, verify)
         except CheckpointError as exc:
             error = str(exc)
+        except Exception as exc:  # malformed beyond what the checks name: still no hang
+            error = f"{folder}: unreadable ({type(exc).__name__}: {exc})"
         error = comm.agree(error)
         if error is None:
             return ckpt
@@ -86,12 +88,13 @@ def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
             raise CheckpointError(error)
         if rank == 0:
             log.warning("checkpoint: skipping %s: %s", folder, error)
+    where = ckpt_dir if source in ("auto", "latest") else source
     if folders:
-        raise CheckpointError(f"no valid checkpoint in {ckpt_dir if source in ('auto', 'latest') else source}: "
-                              f"all {len(folders)} are damaged (see the warnings above)")
+        raise CheckpointError(f"no valid checkpoint in {where}: all {len(folders)} are damaged "
+                              "(see the warnings above)")
     if source == "auto":
         return None
-    raise CheckpointError(f"no checkpoint found in {ckpt_dir if source == 'latest' else source} "
+    raise CheckpointError(f"no checkpoint found in {where} "
                           "(train with --ckpt-every-n-steps N first, or use --resume auto)")
 
 
@@ -158,6 +161,8 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
         problem = _fit_problems(ckpt, model, optimizer)
     except CheckpointError as exc:
         problem = str(exc)
+    except Exception as exc:
+        problem = f"{ckpt.folder}: unreadable ({type(exc).__name__}: {exc})"
     problem = comm.agree(problem)
     if problem:
         raise CheckpointError(problem)

@@ -128,11 +128,18 @@ class Checkpointer:
         tmp = comm.broadcast(tmp)
         if isinstance(tmp, dict):
             raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}")
+        job: dict[str, Any] = {}
+        error = None
         try:
             job = self._collect(rank, world, model, optimizer, state, step, reason, info)
-        except Exception as exc:  # still take part in the gather, so every rank fails together
-            job = {"rank": rank, "world": world, "step": step, "failed": exc}
-        if not self.async_save or "failed" in job:
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        error = comm.agree(error)  # every rank fails together, before any file is written
+        if error:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
+        if not self.async_save:
             self._write_and_commit(job, tmp, final, None)
             return final
         job["pieces"] = [_stage(p) for p in job["pieces"]]
@@ -190,8 +197,6 @@ class Checkpointer:
         error = None
         report: dict[str, Any] = {}
         try:
-            if "failed" in job:
-                raise job["failed"]
             report = _write_rank_files(job, tmp)
         except Exception as exc:
             error = f"rank {job['rank']}: {exc}"

@@ -40,8 +40,8 @@ def find_pairs(model: nn.Module, tp: int) -> dict[str, tuple[list[str], str]]:
     """``{module name: ([column-wise child names], row-wise child name)}`` per matched block.
 
     The row-wise layer is the last direct ``Linear`` child (not the first) whose input width
-    some other child produces; every other direct ``Linear`` child must read the block's width (the row-wise
-    output) and split evenly over ``tp`` ranks. A fused ``qkv`` projection (3x width) does not
+    some other child produces; every other direct ``Linear`` child must read the block's
+    width (the row-wise output) and split evenly over ``tp`` ranks. A fused ``qkv`` projection (3x width) does not
     match, so it is left alone rather than split wrongly.
     """
     pairs: dict[str, tuple[list[str], str]] = {}

@@ -52,7 +52,8 @@ def submit_cmd(kind: str | None, nodes: int, nproc_per_node: int, gpus_per_node:
                dry_run: bool, run_args: tuple[str, ...]) -> None:
     """Submit `distrun run RUN_ARGS` to SLURM or Kubernetes (give run options after `--`).
 
-    distrun submit --slurm --nodes 2 --nproc-per-node 4 -- --strategy ddp train.py --lr 3e-4
+    \b
+    distrun submit --slurm --nodes 2 --nproc-per-node 4 --dry-run -- --strategy ddp train.py
     """
     if kind is None:
         raise UsageError("say where to submit: --slurm or --k8s")

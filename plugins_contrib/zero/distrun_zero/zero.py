@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from distrun import UsageError
-from distrun.run import Run
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+
+from distrun import UsageError
+from distrun.run import Run
 
 __all__ = ["ZeroOptimizer", "check_layout", "layout", "shard_optimizer", "state_bytes"]
 

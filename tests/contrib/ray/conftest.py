@@ -1,4 +1,4 @@
-"""A local Ray cluster on 127.0.0.1 for the module's tests (skipped when Ray is missing)."""
+"""A local Ray cluster on 127.0.0.1 for this folder's tests (each module skips without Ray)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
-pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")
 
 _SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "PET_", "KUBERNETES_",
                        "RAY_ADDRESS")

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
+pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")
+
 PROBE = """
 import datetime, json, os, sys
 import torch, torch.distributed as dist

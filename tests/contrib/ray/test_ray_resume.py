@@ -11,6 +11,9 @@ import json
 
 import pytest
 
+pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
+pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("distrun_ddp") is None,
                        reason="needs the ddp strategy: pip install distrun-ddp"),

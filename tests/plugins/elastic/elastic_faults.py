@@ -79,7 +79,7 @@ def distrun_on_fit_start(run):
     _append("events.jsonl", {
         "pid": os.getpid(), "node": os.environ.get("EL_NODE", ""), "attempt": int(_attempt()),
         "rank": run.rank, "world": run.world_size, "step": run.progress.step,
-        "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler else None,
+        "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler is not None else None,
         "resumed_from": run.resumed_from, "master_addr": os.environ.get("MASTER_ADDR"),
     })
 

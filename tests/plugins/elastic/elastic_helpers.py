@@ -47,12 +47,19 @@ def final_weights(record_dir: Path) -> dict[str, Any]:
 
 
 def steps_trained(record_dir: Path) -> dict[int, list[int]]:
-    """Global sample indices of each step (all ranks), the last time the step was trained."""
-    out: dict[int, dict[int, list[int]]] = {}
+    """Global sample indices of each step (ranks in order), the last time the step was trained.
+
+    A step trained again (a replay after a restart, or at another world size) replaces the
+    earlier records of that step.
+    """
+    out: dict[int, dict[str, Any]] = {}
     for rec in records(record_dir, "samples.jsonl"):
-        out.setdefault(rec["step"], {})[rec["rank"]] = rec["idx"]
-    return {step: [i for r in sorted(by_rank) for i in by_rank[r]]
-            for step, by_rank in sorted(out.items())}
+        entry = out.get(rec["step"])
+        if entry is None or entry["world"] != rec["world"] or rec["rank"] in entry["idx"]:
+            entry = out[rec["step"]] = {"world": rec["world"], "idx": {}}
+        entry["idx"][rec["rank"]] = rec["idx"]
+    return {step: [i for r in sorted(e["idx"]) for i in e["idx"][r]]
+            for step, e in sorted(out.items())}
 
 
 class Launcher:

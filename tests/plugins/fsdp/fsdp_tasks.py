@@ -85,6 +85,7 @@ class Recorder:
             "state": full_state(run.unwrapped_model()),
             "param_types": sorted({type(p).__name__ for p in run.model.parameters()}),
             "mesh_timeouts": _mesh_timeouts(run),
+            "timeout": run.config.timeout,
             "local_numel": sum(_local(p).numel() for p in run.model.parameters()),
             "opt_numel": sum(_local(v).numel() for s in run.optimizer.state.values()
                              for v in s.values() if isinstance(v, torch.Tensor) and v.dim()),
@@ -113,7 +114,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state(model: nn.Module) -> dict[str, list]:
-    """The model's state_dict as nested lists (DTensors gathered), safe to send between processes."""
+    """The model's state_dict as nested lists (DTensors gathered): safe to send to the parent."""
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -128,6 +129,9 @@ def train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     """Train BlocksTask with ``options`` on this rank; the losses and full final weights."""
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.pop("DISTRUN_CONFIG", None)
+    if "port" in options:
+        # a fresh store port per fit: a fast rank must not join the previous fit's store
+        os.environ["MASTER_PORT"] = str(options.pop("port"))
     # only the plugins under test (not whatever else is installed)
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_fsdp.plugin")

@@ -82,7 +82,14 @@ def fit_uneven(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[s
         except distrun.DistrunError as exc:
             out.append({"error": str(exc)})
             continue
-        flat = torch.cat([p.detach().flatten() for p in run.unwrapped_model().parameters()])
+        flat = torch.cat([_full(p).detach().flatten()
+                          for p in run.unwrapped_model().parameters()])
         out.append({"params": flat, "steps": run.progress.step,
                     "micro_steps": run.progress.micro_step, "strategy": run.strategy.name})
     return out
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: FSDP's are DTensor shards (gathering is a collective: all ranks)."""
+    full = getattr(p, "full_tensor", None)
+    return full() if full is not None else p

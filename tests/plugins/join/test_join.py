@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -25,9 +26,12 @@ RUNS = {
     # a strategy with no Joinable: the ranks agree on the smaller count
     "agree": dict(COMMON, strategy="manual_allreduce", max_epochs=2),
     "agree_forced_ddp": dict(COMMON, strategy="ddp", join_mode="agree"),
-    # last: both ranks raise, then the group is not reused
-    "throw": dict(COMMON, strategy="ddp", join_throw_on_early_termination=True),
 }
+HAVE_FSDP = importlib.util.find_spec("distrun_fsdp") is not None
+if HAVE_FSDP:  # FSDP has no Joinable: the ranks agree on the step count
+    RUNS["fsdp"] = dict(COMMON, strategy="fsdp")
+# last: both ranks raise, then the group is not reused
+RUNS["throw"] = dict(COMMON, strategy="ddp", join_throw_on_early_termination=True)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +60,15 @@ def test_agree_drops_the_surplus_batches(join_runs):
     assert join_runs[0]["agree"]["micro_steps"] == join_runs[1]["agree"]["micro_steps"] == 10
     assert join_runs[0]["agree"]["strategy"] == "manual_allreduce"
     assert join_runs[1]["agree_forced_ddp"]["steps"] == 5
+
+
+@pytest.mark.skipif(not HAVE_FSDP, reason="distrun-fsdp is not installed")
+def test_fsdp_without_a_joinable_agrees_on_the_step_count(join_runs):
+    a, b = join_runs[0]["fsdp"], join_runs[1]["fsdp"]
+    assert "error" not in a and "error" not in b, (a, b)
+    assert a["strategy"] == "fsdp"
+    assert a["micro_steps"] == b["micro_steps"] == 5  # min(5, 8): rank 1's last 3 dropped
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
 
 
 def test_throw_on_early_termination_raises_on_both_ranks(join_runs):

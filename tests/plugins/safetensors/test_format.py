@@ -151,3 +151,11 @@ def test_verify_off_skips_checksums(tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         validate(path)
     validate(path, verify=False)  # the fast mode trusts the bytes
+
+
+def test_state_that_is_not_data_fails_the_save_cleanly(tmp_path):
+    model, opt = build("plain")
+    saver = Checkpointer(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"'state.bad' is a object, which is neither"):
+        saver.save(1, model, opt, {"bad": object()})
+    assert os.listdir(tmp_path / "ckpt") == []  # no folder, no leftovers, no `latest`

@@ -30,9 +30,29 @@ def rank_resume(rank, world, root):
     whole = _fit(run_dir=f"{root}/whole", max_steps=12)
     _fit(run_dir=f"{root}/cut", max_steps=5, ckpt_save_on_end=True)
     resumed = _fit(run_dir=f"{root}/cut", max_steps=12, resume="latest")
-    cadence = _fit(run_dir=f"{root}/async", max_steps=7, ckpt_every_n_steps=2, ckpt_async=True,
-                   ckpt_keep_last=2, ckpt_save_on_end=True)
-    return {"whole": _weights(whole), "resumed": _weights(resumed),
+    snapshot = {}
+
+    class AtStep6:
+        @staticmethod
+        @__import__("distrun").hookimpl
+        def distrun_on_step_end(run, step):
+            if step == 6:
+                snapshot.update(_weights(run))
+
+    from distrun import Trainer
+
+    cadence = Trainer(plugins=(st_plugin, AtStep6()), **COMMON, run_dir=f"{root}/async",
+                      max_steps=7, ckpt_every_n_steps=2, ckpt_async=True, ckpt_keep_last=2,
+                      ckpt_save_on_end=True).fit(Task())
+    # the async save of step 6 holds step 6's weights although training went on to step 7
+    from distrun_safetensors import load_checkpoint
+
+    async_ok = {}
+    for step, want in ((6, snapshot), (7, _weights(cadence))):
+        model = Task().configure_model()
+        load_checkpoint(f"{root}/async/checkpoints/step-{step}", model)
+        async_ok[step] = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    return {"whole": _weights(whole), "resumed": _weights(resumed), "async_ok": async_ok,
             "resumed_from": resumed.resumed_from, "cadence_step": cadence.progress.step,
             "whole_lr": whole.optimizer.param_groups[0]["lr"],
             "resumed_lr": resumed.optimizer.param_groups[0]["lr"]}
@@ -46,6 +66,8 @@ def test_resume_is_bit_identical_and_resumes_elsewhere_at_the_same_sample(tmp_pa
         assert r["whole_lr"] == r["resumed_lr"]
         for k, v in r["whole"].items():
             assert torch.equal(v, r["resumed"][k]), f"rank {rank}: {k} differs after resume"
+    assert all(r["async_ok"] == {6: True, 7: True} for r in results), \
+        [r["async_ok"] for r in results]
     # async cadence: steps 2, 4, 6 and the end (7); keep_last=2 leaves the two newest
     ckpts = sorted(os.listdir(tmp_path / "async" / "checkpoints"))
     assert ckpts == ["latest", "step-6", "step-7"], ckpts

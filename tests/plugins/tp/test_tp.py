@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from distrun.testing import run_cli, run_on_ranks
+from distrun.testing import free_port, run_cli, run_on_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # tp_tasks, importable by spawned ranks too
 from tp_tasks import EXAMPLE, load_tiny_gpt, max_weight_diff, reference, train_many  # noqa: E402
@@ -33,9 +33,11 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     refs = {"blocks": reference("blocks", options=dict(run_dir=str(root / "single-blocks"))),
             "gpt": reference("gpt", options=dict(run_dir=str(root / "single-gpt"),
                                                  grad_clip=0.5))}
-    runs = [("planned", dict(strategy="tp", plugins=PLUGINS, run_dir=str(root / "planned"))),
+    runs = [("planned", dict(strategy="tp", plugins=PLUGINS, run_dir=str(root / "planned"),
+                             port=free_port())),
             ("gpt", dict(strategy="tp", tp_sequence_parallel=True, tp_loss_parallel=True,
-                         grad_clip=0.5, plugins=PLUGINS, run_dir=str(root / "gpt")))]
+                         grad_clip=0.5, plugins=PLUGINS, run_dir=str(root / "gpt"),
+                         port=free_port()))]
     per_rank = run_on_ranks(train_many, 2, runs, timeout=240)
     return {"refs": refs, "planned": [r[0] for r in per_rank], "gpt": [r[1] for r in per_rank]}
 

@@ -130,6 +130,9 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     os.environ.pop("DISTRUN_CONFIG", None)
+    if "port" in options:
+        # a fresh store port per fit: a fast rank must not join the previous fit's store
+        os.environ["MASTER_PORT"] = str(options.pop("port"))
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_tp.plugin")
     from distrun import plugins
