@@ -200,9 +200,13 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
                 f"strategy '{info.name}' runs in one process but {world} were asked for "
                 f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
             )
-    name = config.name or _default_name(target)
-    run_dir = config.run_dir or os.path.join("runs", name)
-    return with_values(config, name=name, run_dir=run_dir)
+    # Fill only what the user left out, so flags keep "flag" as their recorded source.
+    fill = {}
+    if not config.name:
+        fill["name"] = _default_name(target)
+    if not config.run_dir:
+        fill["run_dir"] = os.path.join("runs", config.name or fill["name"])
+    return with_values(config, **fill) if fill else config
 
 
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,

@@ -76,3 +76,27 @@ def test_zero_with_join_on_uneven_inputs(zero_runs):
     # the optimizer shards stayed consistent: the whole state is the same on both ranks
     for idx, entry in a["full_state"]["state"].items():
         torch.testing.assert_close(b["full_state"]["state"][idx]["exp_avg"], entry["exp_avg"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("distrun_safetensors") is None,
+                    reason="distrun-safetensors is not installed")
+def test_checkpoint_resume_with_zero_matches_an_uninterrupted_run(tmp_path):
+    from distrun.testing import run_cli
+
+    script = os.path.join(os.path.dirname(__file__), "zero_tasks.py")
+    common = ["--nproc-per-node", "2", "--strategy", "ddp", "--zero", "--batch-size", "16",
+              "--seed", "2", "-p", "no:progress"]
+    whole = run_cli("run", *common, "--max-steps", "6", "--run-dir", str(tmp_path / "a"),
+                    script, str(tmp_path / "whole.pt"), cwd=tmp_path)
+    assert whole.returncode == 0, whole
+    first = run_cli("run", *common, "--max-steps", "3", "--ckpt-every-n-steps", "3",
+                    "--run-dir", str(tmp_path / "b"), script, str(tmp_path / "half.pt"),
+                    cwd=tmp_path)
+    assert first.returncode == 0, first
+    second = run_cli("run", *common, "--max-steps", "6", "--resume", "auto", "--run-dir",
+                     str(tmp_path / "b"), script, str(tmp_path / "resumed.pt"), cwd=tmp_path)
+    assert second.returncode == 0, second
+    assert "Resumed from" in second.stdout, second
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    for name in a:  # Adam's moments came back through the checkpoint, shard by shard
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)

@@ -78,3 +78,17 @@ def fit_zero(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str
             opt.load_state_dict(full)
             out[-1]["bytes_after_load"] = state_bytes(opt)
     return out
+
+
+def main() -> None:
+    """`distrun run ... zero_tasks.py OUT`: train ``Blocks``; rank 0 saves the plain weights."""
+    import sys
+
+    run = distrun.fit(Blocks(), summary=False)
+    if run.is_global_zero:
+        torch.save({k: v.detach() for k, v in run.unwrapped_model().state_dict().items()},
+                   sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()
