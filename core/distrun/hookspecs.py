@@ -311,7 +311,8 @@ def distrun_load_checkpoint(run: Run, source: str) -> str | None:
     Called at setup, before ``distrun_on_fit_start``, when ``config.resume`` is not ``never``.
     Stops at first non-None result.
 
-    :param source: ``"auto"`` (newest valid checkpoint of this run, if any) or a path.
+    :param source: ``"auto"`` (newest valid checkpoint of this run, if any), ``"latest"`` (the
+        same, but an error when there is none) or a path.
     :return: the path loaded, or None when there was nothing to load.
     """
 
