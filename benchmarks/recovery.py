@@ -179,7 +179,8 @@ def _trial(kind: str, work: Path, index: int) -> tuple[bool, float | None, float
         proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
         ok = proc.returncode == 0
         if not ok:  # say why, briefly
-            lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+            lines = [ln for ln in proc.stderr.splitlines()
+                     if "Error:" in ln and "traceback" not in ln]
             print(f"    {kind} exit {proc.returncode}: {(lines or ['?'])[-1][:160]}", flush=True)
     except subprocess.TimeoutExpired:
         ok = False

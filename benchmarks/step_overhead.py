@@ -12,6 +12,8 @@ with its default logging every 10 steps (metrics all-reduced over ranks, console
 the add-on progress and TensorBoard plugins are blocked: their cost is not the loop's). Steps/s are timed between the end of a
 warm-up step and the end of the last step, from inside each loop. Printed: steps/s of both
 and the ratio distrun / hand-written (target >= 0.97); best of the repeats and the median.
+``--log-every 1000`` takes logging out of the timed steps; ``BENCH_PROFILE=FILE`` dumps a
+cProfile of rank 0's distrun fit.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SIZES = {  # name: (input, hidden layers, classes)
     "mlp-5M": (512, [2048, 2048], 10),
 }
 GLOBAL_BATCH = 64
-LOG_EVERY = 10
+LOG_EVERY = int(os.environ.get("BENCH_LOG_EVERY", "10"))
 #: add-on logger plugins left out of the comparison (their cost is theirs, not the loop's)
 BLOCKED = "progress,tensorboard"
 
@@ -128,10 +130,18 @@ def with_distrun(size: str, steps: int, warmup: int, run_dir: str) -> float:
     import distrun
 
     timer = _Timer(warmup)
+    prof = None
+    if os.environ.get("BENCH_PROFILE"):
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     run = distrun.Trainer(plugins=(timer,), batch_size=GLOBAL_BATCH, max_steps=steps, seed=0,
                           summary=False, run_dir=run_dir, log_every_n_steps=LOG_EVERY).fit(
         _Task(size, steps))
     run.pm.unregister(timer)
+    if prof is not None and run.is_global_zero:
+        prof.disable()
+        prof.dump_stats(os.environ["BENCH_PROFILE"])
     return (steps - warmup) / (timer.end - timer.start)
 
 
@@ -161,9 +171,13 @@ def worker(size: str, steps: int, warmup: int, repeats: int, out: str) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--log-every", type=int, default=LOG_EVERY,
+                        help="steps between loss logs in both loops (default 10)")
     parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
                                                       "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DISTRUN_BLOCK_PLUGINS=BLOCKED,
+               BENCH_LOG_EVERY=str(args.log_every))
     if args.worker:
         size, steps, warmup, repeats, out = args.worker
         worker(size, int(steps), int(warmup), int(repeats), out)
@@ -172,9 +186,8 @@ def main(argv: list[str]) -> int:
     repeats = 3
     if args.quick:
         plan, repeats = {"tiny-50K": (150, 20), "mlp-5M": (25, 5)}, 2
-    env = dict(os.environ, OMP_NUM_THREADS="1", DISTRUN_BLOCK_PLUGINS=BLOCKED)
-    print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}; "
-          f"best (median) of {repeats} alternating repeats")
+    print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss logged every "
+          f"{args.log_every} steps; best (median) of {repeats} alternating repeats")
     print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")
     ok = True
     for size, (steps, warmup) in plan.items():

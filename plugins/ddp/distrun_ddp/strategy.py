@@ -37,7 +37,10 @@ class DDPStrategy(BaseStrategy):
         if not self.distributed:
             return model
         cfg = self.config
-        bucket_mb = cfg.ddp_bucket_mb
+        # Unset, torch's default applies: 25 MiB buckets but a small first one, so the last
+        # layers' gradients start their all-reduce while backward is still running. An
+        # explicit size (even 25) makes the first bucket that size too.
+        bucket_mb = cfg.ddp_bucket_mb if "ddp_bucket_mb" in cfg.sources else None
         hook = cfg.ddp_comm_hook
         if hook == "powersgd":
             bucket_mb = _single_bucket_mb(model, bucket_mb, self.device)
@@ -72,14 +75,15 @@ def _buffer_sync(enabled: bool) -> dict[str, bool]:
     return {"broadcast_buffers": enabled}
 
 
-def _single_bucket_mb(model: torch.nn.Module, asked_mb: float, device: torch.device) -> float:
+def _single_bucket_mb(model: torch.nn.Module, asked_mb: float | None,
+                     device: torch.device) -> float | None:
     """A bucket size that holds every gradient: PowerSGD over gloo needs exactly one bucket."""
     if device.type == "cuda":
         return asked_mb
     total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     needed = total / 2**20 + 1.0
-    if needed > asked_mb:
-        log.info("ddp: PowerSGD on gloo needs a single gradient bucket; bucket size raised "
-                 "from %g to %.1f MiB", asked_mb, needed)
+    if asked_mb is None or needed > asked_mb:
+        log.info("ddp: PowerSGD on gloo needs a single gradient bucket; bucket size set "
+                 "to %.1f MiB", needed)
         return needed
     return asked_mb
