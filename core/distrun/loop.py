@@ -229,7 +229,8 @@ def epoch_loop(run: Run, epoch: int) -> int:
             run.lr_scheduler.step()
         prog = run.progress
         prog.step += 1
-        hook.distrun_on_step_end(run=run, step=prog.step, metrics={"loss": loss, "epoch": epoch})
+        hook.distrun_on_step_end(run=run, step=prog.step,
+                                 metrics={"loss": loss.detach(), "epoch": epoch})
         if prog.step % cfg.log_every_n_steps == 0:
             _log(run)
         elif run.stop_signal is not None and run.world_size == 1:
