@@ -11,8 +11,8 @@ local piece), the process's peak RSS, and optimizer steps per second after a war
 Part 2 times distrun's fsdp strategy against a hand-written FSDP2 loop (init_device_mesh,
 fully_shard on each block then the root, AdamW, batches from a DistributedSampler) on the
 same model and data, alternating the two a few times and keeping each one's best median step
-time. The hand-written loop collates its batches before the clock starts (distrun loads them
-in the loop), so the baseline is the harder one. Target: distrun's steps/s >= 0.97 x the
+time. The hand-written loop runs twice: with its DataLoader in the loop (as distrun) and with
+its batches collated before the clock starts (a harder baseline). Target: distrun's steps/s >= 0.97 x the
 hand-written loop's.
 """
 
@@ -142,11 +142,13 @@ def hand_fsdp_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
                                  drop_last=True)
     loader = DataLoader(task.train_set, batch_size=cfg["batch"] // world, sampler=sampler,
                         drop_last=True)
-    # batches collated before timing: the baseline pays nothing for data loading
-    batches = [b for _, b in zip(range(cfg["steps"]), loader)]
+    if cfg.get("preload"):  # batches collated before timing: no data loading in the loop
+        loader = [b for _, b in zip(range(cfg["steps"]), loader)]  # type: ignore[assignment]
     stamps = []
     model.train()
-    for x, y in batches:
+    for step, (x, y) in enumerate(loader):
+        if step >= cfg["steps"]:
+            break
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
@@ -197,19 +199,25 @@ def part1(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def part2(cfg: dict[str, Any], rounds: int) -> float:
     from distrun.testing import run_on_ranks
 
-    best_hand = best_ours = float("inf")
+    best = {"hand, DataLoader in the loop": float("inf"), "hand, batches preloaded": float("inf"),
+            "distrun --strategy fsdp": float("inf")}
     for i in range(rounds):
-        hand = run_on_ranks(hand_fsdp_rank, 2, cfg, init_process_group=True, timeout=600)
-        ours = run_on_ranks(distrun_rank, 2, "fsdp", dict(cfg, run_dir=f"{cfg['tmp']}/p2-{i}"),
-                            timeout=600)
-        best_hand = min(best_hand, max(o["step"] for o in hand))
-        best_ours = min(best_ours, max(o["step"] for o in ours))
-    ratio = best_hand / best_ours
-    print(f"\nFSDP median step time, best of {rounds} alternating runs (2 ranks): hand-written "
-          f"fully_shard loop {best_hand * 1e3:.1f} ms, distrun --strategy fsdp "
-          f"{best_ours * 1e3:.1f} ms")
-    print(f"distrun fsdp steps/s vs hand-written: {ratio:.3f} (target >= 0.97)")
-    return ratio
+        for name in best:
+            if name.startswith("hand"):
+                out = run_on_ranks(hand_fsdp_rank, 2, dict(cfg, preload="preloaded" in name),
+                                   init_process_group=True, timeout=600)
+            else:
+                out = run_on_ranks(distrun_rank, 2, "fsdp",
+                                   dict(cfg, run_dir=f"{cfg['tmp']}/p2-{i}"), timeout=600)
+            best[name] = min(best[name], max(o["step"] for o in out))
+    print(f"\nFSDP median step time, best of {rounds} alternating runs (2 ranks):")
+    for name, step in best.items():
+        print(f"  {name:<30} {step * 1e3:8.1f} ms")
+    ours = best["distrun --strategy fsdp"]
+    ratios = [best[n] / ours for n in best if n.startswith("hand")]
+    print(f"distrun fsdp steps/s vs hand-written: {ratios[0]:.3f} (DataLoader), "
+          f"{ratios[1]:.3f} (preloaded batches); target >= 0.97")
+    return ratios[0]
 
 
 def main(argv: list[str]) -> int:
