@@ -284,7 +284,8 @@ def _log(run: Run) -> None:
         return
     metrics = {
         "loss": loss_sum / micro,
-        "samples_per_sec": samples / elapsed,
+        # ranks of one data-parallel replica (TP) saw the same samples: count them once
+        "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
         "epoch": float(run.progress.epoch),
         "step": float(run.progress.step),
     }

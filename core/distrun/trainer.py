@@ -37,13 +37,16 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
 
 
 def _setup_logging(rank: int) -> None:
-    if log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
+    """Rank 0 says INFO, the others only warnings. Records still propagate, so an app's own
+    logging setup (or pytest's caplog) sees them; our plain stdout handler is added only when
+    nobody configured logging."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
 
 
 class Trainer:
