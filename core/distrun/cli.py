@@ -21,7 +21,12 @@ from distrun.plugins import (
     plugin_infos,
     set_plugin_manager,
 )
-from distrun.registry import choose_strategy, collect_options, collect_strategies
+from distrun.registry import (
+    apply_cluster_env,
+    choose_strategy,
+    collect_options,
+    collect_strategies,
+)
 
 __all__ = ["main", "build_cli"]
 
@@ -178,15 +183,7 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
                     flags: dict[str, Any]) -> RunConfig:
     """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
     config = resolve_config(options, flags=flags, config_file=config_file)
-    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
-    fill = {}
-    if cluster is not None:
-        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
-            value = getattr(cluster, key)
-            if value is not None and key not in config.sources:
-                fill[key] = str(value) if key == "nnodes" else value
-    if fill:
-        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
+    config = apply_cluster_env(pm, config, dict(os.environ))
     from distrun.launcher import resolve_nproc
 
     # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.

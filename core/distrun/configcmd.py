@@ -98,19 +98,11 @@ def _pm() -> Any:
 
 def _resolve(pm: Any, config_file: str | None, flags: Mapping[str, Any]) -> Any:
     """The config as ``distrun run`` resolves it in the launcher, minus the run target."""
-    from distrun.config import resolve_config, with_values
-    from distrun.registry import collect_options
+    from distrun.config import resolve_config
+    from distrun.registry import apply_cluster_env, collect_options
 
     config = resolve_config(collect_options(pm), flags=flags, config_file=config_file)
-    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
-    fill = {}
-    if cluster is not None:
-        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
-            value = getattr(cluster, key)
-            if value is not None and key not in config.sources:
-                fill[key] = str(value) if key == "nnodes" else value
-    if fill:
-        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
+    config = apply_cluster_env(pm, config, dict(os.environ))
     return config
 
 

@@ -9,7 +9,8 @@ from distrun.errors import UsageError, suggest
 from distrun.options import Option
 from distrun.strategy import StrategyInfo
 
-__all__ = ["FIRST_PARTY", "choose_strategy", "collect_options", "collect_strategies"]
+__all__ = ["FIRST_PARTY", "apply_cluster_env", "choose_strategy", "collect_options",
+           "collect_strategies"]
 
 #: first-party names a user may ask for before installing them: name -> distribution
 FIRST_PARTY = {
@@ -68,3 +69,20 @@ def choose_strategy(config: RunConfig, world_size: int | None,
     install = (f" Install it with: pip install {FIRST_PARTY[wanted]}"
                if wanted in FIRST_PARTY and wanted not in strategies else "")
     raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")
+
+
+def apply_cluster_env(pm: pluggy.PluginManager, config: RunConfig,
+                      environ: dict[str, str]) -> RunConfig:
+    """Fill the layout fields the user left unset from the detected cluster environment."""
+    from distrun.config import with_values
+
+    cluster = pm.hook.distrun_detect_cluster(environ=environ)
+    fill = {}
+    if cluster is not None:
+        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
+            value = getattr(cluster, key)
+            if value is not None and key not in config.sources:
+                fill[key] = str(value) if key == "nnodes" else value
+    if fill:
+        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
+    return config

@@ -34,9 +34,16 @@ def _installed() -> set[str]:
 def _run(nproc: str, flags: list[str], run_dir: Path, **env: str):
     full_env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                 "DISTRUN_PLUGINS": "st_plugin", "DISTRUN_TIMEOUT": "120", **env}
-    return run_cli("run", "--nproc-per-node", nproc, *flags, "--batch-size", "8", "--seed", "5",
-                   "--max-steps", "2", "--run-dir", str(run_dir), TASK, env=full_env,
-                   timeout=600)
+    args = ["run", "--nproc-per-node", nproc, *flags, "--batch-size", "8", "--seed", "5",
+            "--max-steps", "2", "--run-dir", str(run_dir), TASK]
+    result = run_cli(*args, env=full_env, timeout=600)
+    if result.returncode == 134 and "terminate called without an active exception" in \
+            result.stderr:
+        # Seen once in a full-suite run: a worker aborted in C++ right after joining the gloo
+        # group, before training. Not reproduced alone; retried once, and said so, until found.
+        print(f"retrying after a gloo abort at startup:\n{result.stderr[-2000:]}")
+        result = run_cli(*args, env=full_env, timeout=600)
+    return result
 
 
 @pytest.mark.slow
