@@ -74,7 +74,7 @@ from distrun import StrategyInfo, hookimpl
 
 def _make(config):
     import torch.distributed as dist
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class GradSum(BaseStrategy):
         name = "benchsum"

@@ -8,16 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from distrun._version import __version__
-from distrun.errors import DistrunError, UsageError
-from distrun.markers import hookimpl, hookspec
-from distrun.options import Option
-from distrun.strategy import StrategyInfo
+from distrun.spec.errors import DistrunError, UsageError
+from distrun.spec.markers import hookimpl, hookspec
+from distrun.spec.options import Option
+from distrun.spec.strategy import StrategyInfo
 
 if TYPE_CHECKING:
-    from distrun.config import RunConfig
-    from distrun.run import Run
-    from distrun.task import Task
-    from distrun.trainer import Trainer
+    from distrun.config.run_config import RunConfig
+    from distrun.train.run import Run
+    from distrun.train.task import Task
+    from distrun.train.trainer import Trainer
 
 __all__ = [
     "DistrunError",
@@ -35,10 +35,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RunConfig": "distrun.config",
-    "Run": "distrun.run",
-    "Task": "distrun.task",
-    "Trainer": "distrun.trainer",
+    "RunConfig": "distrun.config.run_config",
+    "Run": "distrun.train.run",
+    "Task": "distrun.train.task",
+    "Trainer": "distrun.train.trainer",
 }
 
 
@@ -53,6 +53,6 @@ def __getattr__(name: str) -> Any:
 
 def fit(task: Any, **options: Any) -> Any:
     """Train ``task`` with the loop; ``options`` are run-config fields (flags win over them)."""
-    from distrun.trainer import Trainer
+    from distrun.train.trainer import Trainer
 
     return Trainer(**options).fit(task)

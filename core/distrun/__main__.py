@@ -1,3 +1,3 @@
-from distrun.cli import main
+from distrun.cli.main import main
 
 main()

@@ -11,7 +11,7 @@ from distrun import StrategyInfo, hookimpl
 def _factory(config):
     import torch.distributed as dist
 
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class AllReduce(BaseStrategy):
         name = "allreduce"

@@ -13,7 +13,7 @@ from distrun.testing import run_cli
 
 NO_TORCH = """
 import sys
-from distrun.cli import main
+from distrun.cli.main import main
 try:
     main({args!r})
 except SystemExit:

@@ -61,7 +61,7 @@ def test_metrics_and_validation(distrun_pm, tmp_path):
 
 
 def test_model_summary_table(distrun_pm, tmp_path, capsys):
-    from distrun.summary import model_summary
+    from distrun.train.summary import model_summary
 
     text = model_summary(TinyTask().configure_model())
     lines = text.splitlines()
@@ -76,7 +76,7 @@ def _two_rank_fit(rank, world, run_dir, accum):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_task import TinyTask
 
-    from distrun import plugins
+    from distrun.registry import manager as plugins
 
     plugins.set_plugin_manager(plugins.make_plugin_manager(autoload=False,
                                                            extra=["allreduce_strategy"]))

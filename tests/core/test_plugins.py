@@ -19,7 +19,7 @@ from distrun import Option, StrategyInfo, hookimpl
 
 
 def _factory(config):
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class Hello(BaseStrategy):
         name = "hello"
@@ -128,7 +128,7 @@ def test_misspelled_hook_is_an_error_naming_the_plugin(tmp_path):
 
 
 def test_fresh_manager_fixture(distrun_pm):
-    from distrun.plugins import BUILTIN_PLUGINS
+    from distrun.registry.manager import BUILTIN_PLUGINS
 
     names = {name for name, plugin in distrun_pm.list_name_plugin() if plugin is not None}
     assert {"core", "single"} <= names <= set(BUILTIN_PLUGINS)

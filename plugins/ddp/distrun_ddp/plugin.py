@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from distrun import Option, StrategyInfo, hookimpl
 
 if TYPE_CHECKING:
-    from distrun.config import RunConfig
+    from distrun.config.run_config import RunConfig
 
 #: communication hooks ``--ddp-comm-hook`` accepts
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")

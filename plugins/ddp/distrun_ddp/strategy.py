@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from distrun.base_strategy import BaseStrategy
+from distrun.strategies.base import BaseStrategy
 from distrun_ddp.comm_hooks import register_comm_hook
 
 if TYPE_CHECKING:
-    from distrun.run import Run
+    from distrun.train.run import Run
 
 __all__ = ["DDPStrategy"]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from distrun import StrategyInfo, hookimpl
 
 if TYPE_CHECKING:
-    from distrun.config import RunConfig
+    from distrun.config.run_config import RunConfig
 
 
 def _make_dp(config: RunConfig) -> Any:

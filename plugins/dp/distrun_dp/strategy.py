@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distrun.base_strategy import BaseStrategy
-from distrun.errors import UsageError
+from distrun.strategies.base import BaseStrategy
+from distrun.spec.errors import UsageError
 
 if TYPE_CHECKING:
-    from distrun.run import Run
+    from distrun.train.run import Run
 
 __all__ = ["DataParallelStrategy", "CPU_WARNING"]
 

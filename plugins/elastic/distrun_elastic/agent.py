@@ -6,7 +6,7 @@ This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
   inside a step) is therefore killed promptly;
-- a worker that exits with :data:`distrun.run.EXIT_REQUEUE` (it saved a preemption checkpoint)
+- a worker that exits with :data:`distrun.train.run.EXIT_REQUEUE` (it saved a preemption checkpoint)
   or with a usage error (2) ends the run instead of being restarted;
 - the first failure's rank and last lines are kept, so it is reported once.
 
@@ -36,9 +36,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from distrun.errors import DistrunError
-from distrun.launcher import report_failure
-from distrun.run import EXIT_REQUEUE
+from distrun.spec.errors import DistrunError
+from distrun.launch.local import report_failure
+from distrun.train.run import EXIT_REQUEUE
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import IO
 
-from distrun.launcher import TAIL_LINES
+from distrun.launch.local import TAIL_LINES
 
 __all__ = ["Relay"]
 
@@ -23,7 +23,7 @@ _POLL = 0.05
 
 
 class _Tail:
-    """What ``distrun.launcher.report_failure`` needs of a worker: its rank and last lines."""
+    """What ``distrun.launch.local.report_failure`` needs of a worker: its rank and last lines."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank

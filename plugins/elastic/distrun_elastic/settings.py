@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun.config import CONFIG_ENV, RunConfig, with_values
-from distrun.errors import UsageError
+from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun.spec.errors import UsageError
 
 __all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "wants_elastic"]
 
@@ -98,7 +98,7 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
 
 def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, RunConfig]:
     """The launch plan and the config workers get (resume, run name); updates ``environ``."""
-    from distrun.launcher import resolve_nproc
+    from distrun.launch.local import resolve_nproc
 
     lo, hi = _node_range(config.nnodes)
     backend = config.rdzv_backend
@@ -163,6 +163,6 @@ def _is_default_name(config: RunConfig) -> bool:
 
 
 def _free_port() -> int:
-    from distrun.launcher import free_port
+    from distrun.launch.local import free_port
 
     return free_port("127.0.0.1")

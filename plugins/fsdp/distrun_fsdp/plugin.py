@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from distrun import Option, StrategyInfo, hookimpl
 
 if TYPE_CHECKING:
-    from distrun.config import RunConfig
-    from distrun.strategy import Strategy
+    from distrun.config.run_config import RunConfig
+    from distrun.spec.strategy import Strategy
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 

@@ -1,7 +1,7 @@
 """``FSDPStrategy``: FSDP2 ``fully_shard`` over the data-parallel dimensions of a device mesh.
 
 The mesh is ``dp x tp`` (``dp_replicate x dp_shard x tp`` with HSDP), described by
-:class:`distrun.parallel_dims.ParallelDims` and published as ``run.extras["device_mesh"]`` and
+:class:`distrun.config.parallel_dims.ParallelDims` and published as ``run.extras["device_mesh"]`` and
 ``strategy.mesh`` so the tp plugin can parallelize the model over ``"tp"`` first (2D).
 """
 
@@ -18,12 +18,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrun.base_strategy import BaseStrategy
-from distrun.parallel_dims import ParallelDims
+from distrun.strategies.base import BaseStrategy
+from distrun.config.parallel_dims import ParallelDims
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
 if TYPE_CHECKING:
-    from distrun.run import Run
+    from distrun.train.run import Run
 
 __all__ = ["FSDPStrategy", "clip_grad_norm"]
 

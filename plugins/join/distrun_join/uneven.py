@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
 from distrun import DistrunError
-from distrun.config import with_values
-from distrun.run import Run
+from distrun.config.run_config import with_values
+from distrun.train.run import Run
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 

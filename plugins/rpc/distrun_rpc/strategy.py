@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distrun.base_strategy import BaseStrategy
-from distrun.config import RunConfig
-from distrun.errors import DistrunError, UsageError
+from distrun.strategies.base import BaseStrategy
+from distrun.config.run_config import RunConfig
+from distrun.spec.errors import DistrunError, UsageError
 from distrun_rpc import server
 from distrun_rpc.models import HybridModel, RemoteOptimizer, ServerParamsModel, optimizer_spec
 from distrun_rpc.quiet import import_rpc_modules, quiet_torchscript
 from distrun_rpc.roles import Roles, assign_shards
 
 if TYPE_CHECKING:
-    from distrun.run import Run
+    from distrun.train.run import Run
 
 __all__ = ["RpcPeerError", "RpcStrategy"]
 
@@ -129,7 +129,7 @@ class RpcStrategy(BaseStrategy):
         self._owns_group = True
 
     def _build_server_state(self, run: Run) -> server.ServerState:
-        from distrun.loop import seed_everything
+        from distrun.train.loop import seed_everything
 
         index = self.roles.role_rank
         batch = int(self.config.rpc_update_batch) or self.roles.trainers

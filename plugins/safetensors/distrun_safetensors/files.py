@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from distrun.errors import UsageError
+from distrun.spec.errors import UsageError
 
 __all__ = ["DTYPE_SIZES", "CheckpointError", "crc32_file", "fsync_dir", "member",
            "read_header", "write_json", "write_safetensors"]

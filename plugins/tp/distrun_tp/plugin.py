@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from distrun import Option, StrategyInfo, UsageError, hookimpl
 
 if TYPE_CHECKING:
-    from distrun.config import RunConfig
-    from distrun.strategy import Strategy
+    from distrun.config.run_config import RunConfig
+    from distrun.spec.strategy import Strategy
 
 
 def _make_tp(config: RunConfig) -> Strategy:

@@ -15,11 +15,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from distrun import UsageError
-from distrun.base_strategy import BaseStrategy
-from distrun.parallel_dims import ParallelDims
+from distrun.strategies.base import BaseStrategy
+from distrun.config.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
-    from distrun.run import Run
+    from distrun.train.run import Run
 
 __all__ = ["TPStrategy"]
 

@@ -16,7 +16,7 @@ from distrun import Option, hookimpl
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on
 TTY_ENV = "DISTRUN_PROGRESS_TTY"
 _KEY = "progress"
-_MUTE_KEY = "console.muted_by"  # distrun.console.MUTE_KEY
+_MUTE_KEY = "console.muted_by"  # distrun.loggers.console.MUTE_KEY
 
 
 @hookimpl

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from distrun import UsageError
-from distrun.config import CONFIG_ENV, RunConfig, with_values
-from distrun.launcher import STOP_GRACE, TAIL_LINES, torchrun_env
+from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun.launch.local import STOP_GRACE, TAIL_LINES, torchrun_env
 
 __all__ = ["launch_ray", "forwarded_env"]
 

@@ -18,7 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun import UsageError
-from distrun.run import Run
+from distrun.train.run import Run
 
 __all__ = ["ZeroOptimizer", "check_layout", "layout", "shard_optimizer", "state_bytes"]
 

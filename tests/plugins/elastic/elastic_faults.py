@@ -41,7 +41,7 @@ def _make_gradsum(config):
     import torch
     import torch.distributed as dist
 
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class GradSum(BaseStrategy):
         """Replicated model; gradients averaged over ranks with one all-reduce per tensor."""

@@ -135,7 +135,7 @@ def train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     # only the plugins under test (not whatever else is installed)
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_fsdp.plugin")
-    from distrun import plugins
+    from distrun.registry import manager as plugins
 
     plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder
     rec = Recorder()
@@ -160,7 +160,7 @@ def train_many(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
 
 def reference(*lead: Any, options: dict[str, Any]) -> dict[str, Any]:
     """The same training in this process with the core's single strategy (env restored)."""
-    from distrun import plugins
+    from distrun.registry import manager as plugins
 
     saved, previous = dict(os.environ), plugins._pm
     try:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrun
-from distrun.base_strategy import BaseStrategy
+from distrun.strategies.base import BaseStrategy
 
 
 class Batches:

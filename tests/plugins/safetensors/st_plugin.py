@@ -19,7 +19,7 @@ from distrun import StrategyInfo, hookimpl
 def _make_ddp(config):
     import torch.distributed as dist
 
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class ReplicaStrategy(BaseStrategy):
         name = "st_ddp"
@@ -40,7 +40,7 @@ def _make_ddp(config):
 
 
 def _make_fsdp(config):
-    from distrun.base_strategy import BaseStrategy
+    from distrun.strategies.base import BaseStrategy
 
     class ShardStrategy(BaseStrategy):
         name = "st_fsdp"

@@ -1,4 +1,4 @@
-"""distrun.parallel_dims: the validated degrees of a dp x tp (x HSDP) mesh (torch-free)."""
+"""distrun.config.parallel_dims: the validated degrees of a dp x tp (x HSDP) mesh (torch-free)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from distrun import UsageError
-from distrun.parallel_dims import ParallelDims
+from distrun.config.parallel_dims import ParallelDims
 
 
 def test_degrees_and_mesh_layout() -> None:
@@ -41,6 +41,6 @@ def test_tp_that_does_not_divide_the_world() -> None:
 
 
 def test_torch_free() -> None:
-    code = "import sys, distrun.parallel_dims, distrun_tp.plugin; print('torch' in sys.modules)"
+    code = "import sys, distrun.config.parallel_dims, distrun_tp.plugin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

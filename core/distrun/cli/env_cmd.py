@@ -1,0 +1,51 @@
+"""``distrun env``: a block to paste into a bug report (imports torch, unlike the rest of the CLI)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+from distrun import __version__
+from distrun.registry.manager import plugin_infos
+
+__all__ = ["env_report"]
+
+
+def env_report(pm: Any) -> str:
+    lines = [
+        f"- distrun version: {__version__}",
+        f"- Platform: {platform.platform()}",
+        f"- Python version: {sys.version.split()[0]}",
+    ]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        avail = dist.is_available()
+        backends = {
+            "gloo": avail and dist.is_gloo_available(),
+            "nccl": avail and dist.is_nccl_available(),
+            "mpi": avail and dist.is_mpi_available(),
+        }
+        lines += [
+            f"- PyTorch version: {torch.__version__}",
+            f"- CUDA available: {torch.cuda.is_available()}"
+            + (f" ({torch.version.cuda})" if torch.version.cuda else ""),
+            f"- GPU count: {torch.cuda.device_count()}",
+            "- Backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()),
+        ]
+    except ImportError:
+        lines.append("- PyTorch version: not installed (pip install torch)")
+    lines.append(f"- CPU count: {os.cpu_count()}")
+    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
+    if cluster is not None:
+        facts = ", ".join(f"{k}={v}" for k, v in cluster.__dict__.items()
+                          if v is not None and v is not False and k != "name")
+        lines.append(f"- Cluster environment: {cluster.name}" + (f" ({facts})" if facts else ""))
+    lines.append("- Plugins:")
+    for info in plugin_infos(pm):
+        origin = "built-in" if info.builtin else info.distribution
+        lines.append(f"    {info.name} {info.version} ({origin})")
+    return "\n".join(lines)

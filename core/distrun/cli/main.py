@@ -1,0 +1,259 @@
+"""The ``distrun`` command. Torch-free: ``distrun --help`` and ``distrun plugins`` stay fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from distrun import __version__
+from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
+from distrun.spec.errors import DistrunError, UsageError
+from distrun.registry.manager import (
+    BLOCK_ENV,
+    EXTRA_ENV,
+    make_plugin_manager,
+    plugin_infos,
+    set_plugin_manager,
+)
+from distrun.registry.collect import (
+    apply_cluster_env,
+    choose_strategy,
+    collect_options,
+    collect_strategies,
+)
+
+__all__ = ["main", "build_cli"]
+
+#: flags of first-party plugins, so a missing plugin gets an install hint instead of a shrug
+PLUGIN_FLAGS = {
+    "--max-restarts": "distrun-elastic", "--max_restarts": "distrun-elastic",
+    "--rdzv-backend": "distrun-elastic", "--rdzv_backend": "distrun-elastic",
+    "--rdzv-endpoint": "distrun-elastic", "--rdzv_endpoint": "distrun-elastic",
+    "--rdzv-id": "distrun-elastic", "--rdzv_id": "distrun-elastic",
+    "--monitor-interval": "distrun-elastic", "--ddp-bucket-mb": "distrun-ddp",
+    "--ddp-comm-hook": "distrun-ddp", "--fsdp-reshard-after-forward": "distrun-fsdp",
+    "--tp-size": "distrun-tp", "--rpc-servers": "distrun-rpc", "--ckpt-every-n-steps":
+    "distrun-safetensors", "--precision": "distrun-amp", "--launcher": "distrun-ray",
+}
+
+
+def _scan_plugin_flags(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
+    """Read ``-p NAME`` / ``-p no:NAME`` and ``--debug`` before click builds the commands.
+
+    Scanning stops at the run target (a ``.py`` path, ``x:Task`` or the module after ``-m``),
+    so the script's own arguments are never taken for distrun's.
+    """
+    blocked: list[str] = []
+    extra: list[str] = []
+    debug = False
+    i = 0
+    while i < len(argv):
+        arg, value = argv[i], None
+        if arg == "-p" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 1
+        elif arg.startswith("-p") and not arg.startswith("--") and len(arg) > 2:
+            value = arg[2:].lstrip("=")
+        elif arg == "--debug":
+            debug = True
+        elif arg in ("-m", "--module") or not arg.startswith("-") and (arg.endswith(".py") or ":" in arg):
+            break
+        if value:
+            (blocked if value.startswith("no:") else extra).append(value.removeprefix("no:"))
+        i += 1
+    return blocked, extra, debug
+
+
+def _option_to_click(opt: Any) -> click.Option:
+    names = [opt.flag, *opt.aliases]
+    if opt.type is bool:
+        return click.Option([f"{opt.flag}/--no-{opt.flag[2:]}"], default=None, help=opt.help,
+                            hidden=opt.hidden)
+    help_text = opt.help
+    if opt.default not in (None, ""):
+        help_text += f"  [default: {opt.default}]"
+    if opt.choices:
+        help_text += f"  [choices: {', '.join(map(str, opt.choices))}]"
+    return click.Option(names, default=None, help=help_text, hidden=opt.hidden,
+                        metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
+
+
+def build_cli(pm: Any) -> click.Group:
+    @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(__version__, "--version", prog_name="distrun")
+    @click.option("-p", "plugin_flags", multiple=True, metavar="NAME",
+                  help="load plugin module NAME, or block one with -p no:NAME")
+    @click.option("--debug", is_flag=True, help="show tracebacks for errors")
+    def cli(plugin_flags: tuple[str, ...], debug: bool) -> None:
+        """distrun: PyTorch distributed training with plugins.
+
+        Start with `distrun run --nproc-per-node 2 train.py`.
+        """
+
+    options = collect_options(pm)
+
+    @click.command(
+        "run",
+        context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False},
+        help="Launch TARGET on this node's workers. TARGET is a script (a torchrun script runs "
+             "unchanged), -m MODULE, or pkg.module:Task / file.py:Task.",
+    )
+    @click.option("-m", "--module", "as_module", is_flag=True,
+                  help="TARGET is a module name, as `python -m`")
+    @click.option("--config", "config_file", type=click.Path(), default=None,
+                  help="TOML file of run options")
+    @click.option("-p", "plugin_flags", multiple=True, metavar="NAME", hidden=True)
+    @click.argument("target")
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def run_cmd(as_module: bool, config_file: str | None, plugin_flags: tuple[str, ...],
+                target: str, args: tuple[str, ...], **flags: Any) -> None:
+        flags = {k: v for k, v in flags.items() if v is not None}
+        code = launch(pm, options, target, list(args), as_module, config_file, flags)
+        sys.exit(code)
+
+    for opt in options:
+        click_opt = _option_to_click(opt)
+        click_opt.name = opt.name
+        run_cmd.params.append(click_opt)
+    cli.add_command(run_cmd)
+
+    @cli.command("plugins")
+    @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+    def plugins_cmd(as_json: bool) -> None:
+        """List installed plugins, their versions and the hooks they implement."""
+        infos = plugin_infos(pm)
+        if as_json:
+            click.echo(json.dumps([i.__dict__ for i in infos], indent=2, default=list))
+            return
+        for info in infos:
+            origin = "built-in" if info.builtin else info.distribution
+            click.echo(f"{info.name} {info.version} ({origin})")
+            for hook in info.hooks:
+                click.echo(f"    {hook}")
+
+    @cli.command("strategies")
+    def strategies_cmd() -> None:
+        """List the strategies installed plugins offer."""
+        for name, info in sorted(collect_strategies(pm).items()):
+            click.echo(f"{name:<10} {info.help}  [{info.plugin}]")
+
+    @cli.command("env")
+    def env_cmd() -> None:
+        """Print versions, backends, devices, plugins and cluster: paste it into a bug report."""
+        from distrun.cli.env_cmd import env_report
+
+        click.echo(env_report(pm))
+
+    pm.hook.distrun_add_commands(cli=cli)
+    return cli
+
+
+def _worker_command(target: str, args: list[str], as_module: bool) -> list[str]:
+    py = [sys.executable, "-u"]
+    if as_module:
+        return [*py, "-m", target, *args]
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise UsageError(f"script not found: {target} (check the path)")
+        return [*py, target, *args]
+    if ":" in target:
+        path = target.rpartition(":")[0]
+        if path.endswith(".py") and not os.path.isfile(path):
+            raise UsageError(f"task file not found: {path} (check the path before ':')")
+        return [*py, "-m", "distrun.train.worker", target, *args]
+    if os.path.isfile(target):
+        return [*py, target, *args]
+    raise UsageError(
+        f"target not found: {target} (give a script path, -m MODULE, or pkg.module:Task)"
+    )
+
+
+def _default_name(target: str) -> str:
+    base = target.rpartition(":")[2] if ":" in target else target
+    stem = os.path.splitext(os.path.basename(base))[0] or "run"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
+                    flags: dict[str, Any]) -> RunConfig:
+    """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
+    config = resolve_config(options, flags=flags, config_file=config_file)
+    config = apply_cluster_env(pm, config, dict(os.environ))
+    from distrun.launch.local import resolve_nproc
+
+    # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
+    if config.strategy != "auto":
+        world = None
+        if config.nnodes.isdigit():
+            world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
+        info = choose_strategy(config, world, collect_strategies(pm))
+        if world is not None and world > 1 and not info.multi_process:
+            raise UsageError(
+                f"strategy '{info.name}' runs in one process but {world} were asked for "
+                f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
+            )
+    # Fill only what the user left out, so flags keep "flag" as their recorded source.
+    fill = {}
+    if not config.name:
+        fill["name"] = _default_name(target)
+    if not config.run_dir:
+        fill["run_dir"] = os.path.join("runs", config.name or fill["name"])
+    return with_values(config, **fill) if fill else config
+
+
+def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
+           config_file: str | None, flags: dict[str, Any]) -> int:
+    command = _worker_command(target, args, as_module)
+    config = launcher_config(pm, options, target, config_file, flags)
+    environ = dict(os.environ)
+    environ[CONFIG_ENV] = config.to_json()
+    blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
+    if blocked:
+        environ[BLOCK_ENV] = ",".join(blocked)
+    if extra:
+        environ[EXTRA_ENV] = ",".join(extra)
+    code = pm.hook.distrun_launch(config=config, command=command, environ=environ)
+    return int(code or 0)
+
+
+def _plugin_hint(message: str) -> str:
+    for flag, dist in PLUGIN_FLAGS.items():
+        if f"'{flag}'" in message or f" {flag}" in message:
+            return f" ({flag} comes with {dist}: pip install {dist})"
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    blocked, extra, debug = _scan_plugin_flags(argv)
+    try:
+        pm = make_plugin_manager(blocked=blocked, extra=extra)
+        set_plugin_manager(pm)
+        cli = build_cli(pm)
+        cli.main(args=argv, prog_name="distrun", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        print("Aborted.", file=sys.stderr)
+        sys.exit(130)
+    except click.UsageError as exc:
+        message = exc.format_message().replace("\n", " ")
+        print(f"error: {message}{_plugin_hint(message)} (see `distrun run --help`)",
+              file=sys.stderr)
+        sys.exit(2)
+    except DistrunError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The parallel degrees of a run (data x tensor parallel), validated once. Torch-free.
+
+Strategies that build a device mesh (fsdp, tp and their 2D composition) describe it with one
+:class:`ParallelDims`, so the check that the degrees multiply to the world size lives in one
+place and its error says the numbers. The mesh dimension names are part of the contract:
+``"dp"`` (or ``"dp_replicate"`` x ``"dp_shard"`` for HSDP) and ``"tp"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distrun.spec.errors import UsageError
+
+__all__ = ["ParallelDims"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Data-parallel degree ``dp`` (= ``dp_replicate`` x ``dp_shard``) times ``tp`` = world size.
+
+    ``dp_replicate`` > 1 is HSDP: ``dp_replicate`` groups of ``dp / dp_replicate`` ranks, each
+    group holding one sharded copy of the model.
+    """
+
+    world_size: int
+    dp: int
+    tp: int = 1
+    dp_replicate: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "dp", "tp", "dp_replicate"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"parallel degree {name} must be a whole number >= 1, "
+                                 f"got {value!r}")
+        if self.dp * self.tp != self.world_size:
+            raise UsageError(
+                f"parallel degrees do not multiply to the world size: dp {self.dp} x tp "
+                f"{self.tp} = {self.dp * self.tp}, but there are {self.world_size} ranks "
+                f"(choose degrees whose product is {self.world_size})"
+            )
+        if self.dp % self.dp_replicate:
+            raise UsageError(
+                f"HSDP needs the data-parallel degree {self.dp} to split into "
+                f"{self.dp_replicate} replica groups, and {self.dp} is not divisible by "
+                f"{self.dp_replicate} (use a replicate degree that divides {self.dp})"
+            )
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, dp_replicate: int = 1) -> ParallelDims:
+        """The degrees for ``world_size`` ranks: ``dp`` is what ``tp`` leaves over."""
+        if tp < 1 or world_size % tp:
+            raise UsageError(
+                f"--tp-size {tp} does not divide the world size {world_size} "
+                f"(use a tensor-parallel size that divides {world_size}, e.g. "
+                f"{_divisors(world_size)})"
+            )
+        return cls(world_size=world_size, dp=world_size // tp, tp=tp, dp_replicate=dp_replicate)
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks over which FSDP shards parameters (``dp`` without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_dim_names(self) -> tuple[str, ...]:
+        """The mesh dimensions data parallelism runs over (``fully_shard``'s mesh)."""
+        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp",)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh shape, outermost dimension first (tp innermost: neighbours)."""
+        dp = (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp,)
+        return (*dp, self.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return (*self.dp_dim_names, "tp")
+
+    def build_mesh(self, device_type: str, timeout: float | None = None) -> Any:
+        """``init_device_mesh`` of this layout (torch is imported here, not at module import).
+
+        The default process group must exist. Every dimension's group gets the collective
+        ``timeout`` in seconds (torch would give sub-groups its 30-minute default).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        override = _timeout_override(self.mesh_dim_names, device_type, timeout)
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names,
+                                **({"backend_override": override} if override else {}))
+
+    def __str__(self) -> str:
+        hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" \
+            if self.dp_replicate > 1 else ""
+        return f"dp {self.dp}{hsdp} x tp {self.tp} = {self.world_size} ranks"
+
+
+def _timeout_override(names: tuple[str, ...], device_type: str,
+                      timeout: float | None) -> dict[str, Any] | None:
+    if timeout is None:
+        return None
+    import datetime
+
+    try:
+        if device_type == "cpu":
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            backend, opts = "gloo", ProcessGroupGloo._Options()
+        elif device_type == "cuda":
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            backend, opts = "nccl", ProcessGroupNCCL.Options()
+        else:
+            return None
+        opts._timeout = datetime.timedelta(seconds=timeout)
+    except (ImportError, AttributeError):  # a torch without these options: its defaults
+        return None
+    return {name: (backend, opts) for name in names}
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

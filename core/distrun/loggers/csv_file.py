@@ -1,0 +1,100 @@
+"""``metrics.csv`` in the run folder: one row per ``distrun_log_metrics`` call, rank 0 only.
+
+Columns are ``step``, ``epoch``, ``time`` (seconds since the fit started) and every metric in
+the order it first appeared (``loss``, ``samples_per_sec``, ``lr``, ``val_*``...). A new column
+rewrites the (small) file; otherwise rows are appended. On resume, rows after the restored
+step are dropped so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from distrun.spec.markers import hookimpl
+from distrun.spec.options import Option
+
+__all__ = ["METRICS_FILE", "CsvLogger", "read_metrics"]
+
+METRICS_FILE = "metrics.csv"
+_KEY = "csv_logger"
+
+
+def read_metrics(path: str) -> list[dict[str, float]]:
+    """Rows of a ``metrics.csv`` as dicts of floats (empty cells left out)."""
+    with open(path, newline="") as fh:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)}
+                for row in csv.DictReader(fh)]
+
+
+class CsvLogger:
+    """Appends metric rows to ``path``; a new column rewrites the file with the wider header."""
+
+    def __init__(self, path: str, keep_until_step: int | None = None) -> None:
+        self.path = path
+        self.columns = ["step", "epoch", "time"]
+        self.rows: list[dict[str, float]] = []
+        self.started = time.time()
+        if keep_until_step is not None and os.path.exists(path):
+            self.rows = [r for r in read_metrics(path) if r.get("step", 0) <= keep_until_step]
+            for row in self.rows:
+                self.columns += [k for k in row if k not in self.columns]
+            if self.rows:
+                self.started -= self.rows[-1].get("time", 0.0)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._rewrite()
+
+    def log(self, step: int, epoch: float, metrics: Mapping[str, Any]) -> None:
+        row = {"step": float(step), "epoch": float(epoch),
+               "time": round(time.time() - self.started, 3)}
+        row.update({k: float(v) for k, v in metrics.items() if k not in row})
+        self.rows.append(row)
+        new = [k for k in row if k not in self.columns]
+        if new:
+            self.columns += new
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as fh:
+            self._writer(fh).writerow(self._cells(row))
+
+    def _writer(self, fh: Any) -> Any:
+        return csv.DictWriter(fh, fieldnames=self.columns)
+
+    def _cells(self, row: Mapping[str, float]) -> dict[str, str]:
+        out = {}
+        for key, value in row.items():
+            out[key] = str(int(value)) if key == "step" else f"{value:.8g}"
+        return out
+
+    def _rewrite(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", newline="") as fh:
+            writer = self._writer(fh)
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow(self._cells(row))
+        os.replace(tmp, self.path)
+
+
+@hookimpl
+def distrun_register_options(register):
+    register(Option("csv", bool, True, plugin="csv_logger",
+                    help="write metrics.csv to the run folder (rank 0)"))
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    if not run.is_global_zero or not run.config.get("csv", True) or not run.run_dir:
+        return
+    keep = run.progress.step if run.resumed_from else None
+    run.extras[_KEY] = CsvLogger(os.path.join(run.run_dir, METRICS_FILE), keep_until_step=keep)
+
+
+@hookimpl
+def distrun_log_metrics(run, step, metrics):
+    logger = run.extras.get(_KEY)
+    if logger is not None:
+        logger.log(step, metrics.get("epoch", run.progress.epoch), metrics)

@@ -1,0 +1,88 @@
+"""Collect what plugins declare (options, strategies) and choose a strategy. Torch-free."""
+
+from __future__ import annotations
+
+import pluggy
+
+from distrun.config.run_config import RunConfig, core_options
+from distrun.spec.errors import UsageError, suggest
+from distrun.spec.options import Option
+from distrun.spec.strategy import StrategyInfo
+
+__all__ = ["FIRST_PARTY", "apply_cluster_env", "choose_strategy", "collect_options",
+           "collect_strategies"]
+
+#: first-party names a user may ask for before installing them: name -> distribution
+FIRST_PARTY = {
+    "ddp": "distrun-ddp", "dp": "distrun-dp", "fsdp": "distrun-fsdp", "tp": "distrun-tp",
+    "rpc": "distrun-rpc",
+}
+
+
+def collect_options(pm: pluggy.PluginManager) -> list[Option]:
+    """Core options and every plugin's; a name declared twice is a plugin bug."""
+    out: dict[str, Option] = {o.name: o for o in core_options()}
+
+    def register(option: Option) -> None:
+        if option.name in out:
+            raise UsageError(f"option {option.name!r} is declared twice "
+                             f"({out[option.name].plugin} and {option.plugin})")
+        out[option.name] = option
+
+    pm.hook.distrun_register_options(register=register)
+    return list(out.values())
+
+
+def collect_strategies(pm: pluggy.PluginManager) -> dict[str, StrategyInfo]:
+    out: dict[str, StrategyInfo] = {}
+
+    def register(info: StrategyInfo) -> None:
+        if info.name in out:
+            raise UsageError(f"strategy {info.name!r} is offered twice "
+                             f"({out[info.name].plugin} and {info.plugin})")
+        out[info.name] = info
+
+    pm.hook.distrun_register_strategies(register=register)
+    return out
+
+
+def choose_strategy(config: RunConfig, world_size: int | None,
+                    strategies: dict[str, StrategyInfo]) -> StrategyInfo:
+    """The strategy the config names; ``auto`` means single for one process, else ddp."""
+    name = config.strategy
+    if name == "auto":
+        if world_size is None or world_size > 1:
+            if "ddp" in strategies:
+                return strategies["ddp"]
+            if world_size is None:
+                return strategies["single"]
+            raise UsageError(
+                f"{world_size} processes need a data-parallel strategy and none is installed. "
+                "Install it with: pip install distrun-ddp"
+            )
+        return strategies["single"]
+    if name in strategies:
+        return strategies[name]
+    installed = ", ".join(sorted(strategies))
+    hint = suggest(name, [*strategies, *FIRST_PARTY])
+    wanted = name if name in FIRST_PARTY else (hint.split("'")[1] if hint else None)
+    install = (f" Install it with: pip install {FIRST_PARTY[wanted]}"
+               if wanted in FIRST_PARTY and wanted not in strategies else "")
+    raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")
+
+
+def apply_cluster_env(pm: pluggy.PluginManager, config: RunConfig,
+                      environ: dict[str, str]) -> RunConfig:
+    """Fill the layout fields the user left unset from the detected cluster environment."""
+    from distrun.config.run_config import with_values
+
+    cluster = pm.hook.distrun_detect_cluster(environ=environ)
+    fill = {}
+    if cluster is not None:
+        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
+            value = getattr(cluster, key)
+            if value is not None and key not in config.sources:
+                fill[key] = str(value) if key == "nnodes" else value
+    if fill:
+        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
+    return config

@@ -1,0 +1,140 @@
+"""The plugin manager: built-in plugins and entry points of group ``distrun``, one path for both.
+
+- ``DISTRUN_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points (tests use it for a clean manager);
+- ``DISTRUN_PLUGINS=mod1,mod2`` registers importable modules as plugins as well;
+- ``-p no:NAME`` on the CLI (or ``DISTRUN_BLOCK_PLUGINS=NAME,...``) blocks a plugin by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pluggy
+
+from distrun.spec import hookspecs
+from distrun.spec.errors import UsageError
+from distrun.spec.markers import ENTRY_POINT_GROUP, PROJECT
+
+__all__ = [
+    "PluginInfo",
+    "get_plugin_manager",
+    "make_plugin_manager",
+    "plugin_infos",
+    "reset_plugin_manager",
+]
+
+#: modules of the core registered on every manager, by plugin name
+BUILTIN_PLUGINS = {
+    "core": "distrun.train.builtin",
+    "single": "distrun.strategies.single",
+    "console": "distrun.loggers.console",
+    "csv_logger": "distrun.loggers.csv_file",
+    "runfolder": "distrun.config.run_folder",
+    "plot": "distrun.cli.plot_cmd",
+    "config": "distrun.cli.config_cmd",
+    "scaffold": "distrun.cli.plugin_new",
+}
+AUTOLOAD_ENV = "DISTRUN_DISABLE_PLUGIN_AUTOLOAD"
+EXTRA_ENV = "DISTRUN_PLUGINS"
+BLOCK_ENV = "DISTRUN_BLOCK_PLUGINS"
+
+_pm: pluggy.PluginManager | None = None
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def make_plugin_manager(
+    blocked: Iterable[str] = (),
+    extra: Iterable[str] = (),
+    autoload: bool | None = None,
+) -> pluggy.PluginManager:
+    """Build a fresh manager: specs, built-ins, entry points, extra modules; then validate."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    blocked = set(blocked) | set(_split(os.environ.get(BLOCK_ENV)))
+    for name in blocked:
+        pm.set_blocked(name)
+    for name, module in BUILTIN_PLUGINS.items():
+        if not pm.is_blocked(name):
+            pm.register(importlib.import_module(module), name=name)
+    if autoload is None:
+        autoload = os.environ.get(AUTOLOAD_ENV, "") in ("", "0")
+    if autoload:
+        try:
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        except pluggy.PluginValidationError as exc:
+            raise UsageError(f"plugin {exc.plugin!r} is broken: {exc}") from None
+        except ImportError as exc:
+            raise UsageError(
+                f"a distrun plugin failed to import: {exc} (reinstall it, or block it with "
+                "-p no:NAME)"
+            ) from None
+    for module in [*_split(os.environ.get(EXTRA_ENV)), *extra]:
+        name = module.rsplit(".", 1)[-1]
+        if pm.is_blocked(name) or pm.is_blocked(module) or pm.has_plugin(module):
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            raise UsageError(f"cannot import plugin module {module!r}: {exc}") from None
+        pm.register(mod, name=module)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise UsageError(
+            f"plugin {pm.get_name(exc.plugin)!r} implements a hook distrun does not have: {exc} "
+            "(check the hook's spelling against distrun.spec.hookspecs)"
+        ) from None
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager, built on first use from the environment's settings."""
+    global _pm
+    if _pm is None:
+        _pm = make_plugin_manager()
+    return _pm
+
+
+def set_plugin_manager(pm: pluggy.PluginManager | None) -> None:
+    """Make ``pm`` the process-wide manager (the CLI does this after reading ``-p``)."""
+    global _pm
+    _pm = pm
+
+
+def reset_plugin_manager() -> None:
+    set_plugin_manager(None)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    version: str
+    distribution: str
+    hooks: tuple[str, ...]
+    builtin: bool
+
+
+def plugin_infos(pm: pluggy.PluginManager) -> list[PluginInfo]:
+    """Registered plugins with their distribution, version and implemented hooks."""
+    from distrun import __version__
+
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        dist = dists.get(id(plugin))
+        hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()))
+        if dist is not None:
+            out.append(PluginInfo(name, dist.version, dist.project_name, hooks, False))
+        else:
+            builtin = name in BUILTIN_PLUGINS
+            out.append(PluginInfo(name, __version__ if builtin else "",
+                                  "distrun" if builtin else name, hooks, builtin))
+    return out

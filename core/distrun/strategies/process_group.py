@@ -1,0 +1,67 @@
+"""torch.distributed helpers shared by strategies: device choice and process-group setup."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from distrun.config.run_config import RunConfig
+from distrun.spec.errors import UsageError
+
+__all__ = ["env_topology", "init_process_group", "select_device"]
+
+log = logging.getLogger("distrun")
+
+
+def env_topology() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment (0, 0, 1 when absent)."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def select_device(config: RunConfig, local_rank: int) -> torch.device:
+    """CUDA device ``local_rank`` when asked for (or 'auto' and available), else CPU."""
+    want = config.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is visible "
+                         "(use --device cpu)")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_process_group(config: RunConfig, device: torch.device, backend: str | None = None) -> bool:
+    """Join the default process group from torchrun's env; True if this call created it.
+
+    The collective timeout is ``config.timeout`` seconds (torch's gloo default is 30 minutes:
+    a rank that stalls must fail the run quickly instead).
+    """
+    rank, _, world = env_topology()
+    if dist.is_available() and dist.is_initialized():
+        return False
+    if "MASTER_ADDR" not in os.environ:
+        raise UsageError(
+            f"{world} processes need a rendezvous: start them with `distrun run "
+            "--nproc-per-node N ...` (MASTER_ADDR is not set)"
+        )
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=config.timeout), **kwargs,
+    )
+    # Every rank says it joined (as Lightning does); rank 0 then says the group is complete.
+    print(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}",
+          flush=True)
+    if rank == 0:
+        log.info("distributed_backend=%s: all %d processes registered", backend, world)
+    return True

@@ -1,0 +1,174 @@
+"""``distrun.testing``: a pytest plugin for distrun and for plugin authors.
+
+Fixtures: ``distrun_pm`` (a fresh plugin manager, entry points off), ``distrun_cli`` (run the
+``distrun`` command in a subprocess inside ``tmp_path``). Helpers: :func:`run_on_ranks` (a
+function on N real gloo ranks with a short timeout) and :func:`run_cli`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+__all__ = ["CliResult", "distrun_cli", "distrun_pm", "free_port", "run_cli", "run_on_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def __str__(self) -> str:  # shown by pytest when an assertion on the result fails
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300.0, input: str | None = None) -> CliResult:
+    """Run ``distrun ARGS`` as a user would, in a subprocess; never raises on a bad exit."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "distrun", *args], cwd=cwd, env=full_env, text=True,
+        capture_output=True, timeout=timeout, input=input,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: bool,
+               timeout: float, args: Sequence[Any], queue: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1", "DISTRUN_TIMEOUT": str(int(timeout)),
+    })
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if init:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        # Plain pickle bytes: torch's shared-memory queue reduction can hang once the
+        # sending process exits.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if init:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+                 init_process_group: bool = False, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; their results.
+
+    Each process gets torchrun's variables (so a ``Trainer`` inside sets up the group itself),
+    or a ready gloo group with ``init_process_group=True``. ``fn`` must be importable (module
+    level). A rank that raises fails the call with its traceback; a hang fails after
+    ``timeout`` seconds (and collectives time out at the same bound).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_process_group,
+                                                   timeout, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    reported: set[int] = set()
+    first_error = float("inf")
+    try:
+        deadline = time.monotonic() + timeout + 30
+        while len(reported) < world_size:
+            if errors and time.monotonic() > min(deadline, first_error + 10.0):
+                break  # a rank failed: the others get a moment to report, not a full timeout
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - set(results) - reported)
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    # A rank that died without reporting (crash at import, os._exit, kill).
+                    time.sleep(1.0)  # let a result already in flight arrive first
+                    if queue.empty():
+                        errors.append(f"ranks {dead} exited with codes "
+                                      f"{[procs[r].exitcode for r in dead]} without a result")
+                        break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
+                    break
+                continue
+            reported.add(rank)
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                first_error = min(first_error, time.monotonic())
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+@pytest.fixture
+def distrun_pm() -> Iterator[Any]:
+    """A fresh plugin manager (built-ins only, no entry points), process-wide for the test."""
+    from distrun.registry import manager as plugins
+
+    previous = plugins._pm
+    pm = plugins.make_plugin_manager(autoload=False)
+    plugins.set_plugin_manager(pm)
+    try:
+        yield pm
+    finally:
+        plugins.set_plugin_manager(previous)
+
+
+@pytest.fixture
+def distrun_cli(tmp_path: Any) -> Callable[..., CliResult]:
+    """``distrun_cli("run", "train.py")`` runs the command in ``tmp_path``."""
+
+    def call(*args: str, **kwargs: Any) -> CliResult:
+        kwargs.setdefault("cwd", tmp_path)
+        return run_cli(*args, **kwargs)
+
+    return call

@@ -1,0 +1,133 @@
+"""The core's own plugin: options, plain cluster detection, local launch and the loop.
+
+Registered through the same manager as external plugins (name ``core``). Torch is imported
+inside the hooks that run in workers, never at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun.spec.markers import hookimpl
+
+
+@hookimpl
+def distrun_register_options(register):
+    # Core's fields are part of RunConfig itself (see registry.collect_options).
+    return None
+
+
+@hookimpl(trylast=True)
+def distrun_detect_cluster(environ):
+    from distrun.spec.cluster import ClusterEnv
+
+    return ClusterEnv(name="local")
+
+
+@hookimpl(trylast=True)
+def distrun_launch(config, command, environ):
+    from distrun.launch.local import launch_local
+
+    return launch_local(config, command, environ)
+
+
+# -- worker setup: the strategy wraps in between plain and trylast plugin implementations -----
+
+
+@hookimpl
+def distrun_setup_model(run):
+    from distrun.train.loop import wrap_model
+
+    wrap_model(run)
+
+
+@hookimpl
+def distrun_setup_optimizer(run):
+    from distrun.train.loop import build_optimizer
+
+    build_optimizer(run)
+
+
+@hookimpl
+def distrun_setup_data(run):
+    from distrun.train.loop import build_loaders
+
+    build_loaders(run)
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    if run.is_global_zero and run.config.summary:
+        from distrun.train.summary import model_summary
+
+        run.log.info(model_summary(run.unwrapped_model()))
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+@hookimpl
+def distrun_run_fit(run):
+    from distrun.train.loop import fit_loop
+
+    return fit_loop(run)
+
+
+@hookimpl
+def distrun_run_epoch(run, epoch):
+    from distrun.train.loop import epoch_loop
+
+    return epoch_loop(run, epoch)
+
+
+@hookimpl
+def distrun_training_step(run, batch):
+    return run.task.training_step(run.model, batch)
+
+
+@hookimpl
+def distrun_backward(run, loss):
+    run.strategy.backward(loss)
+    return True
+
+
+@hookimpl
+def distrun_optimizer_step(run):
+    if run.config.grad_clip > 0:
+        run.strategy.clip_grad_norm(run.model, run.config.grad_clip)
+    run.strategy.optimizer_step(run.optimizer)
+    return True
+
+
+@hookimpl
+def distrun_run_validation(run):
+    from distrun.train.loop import validation_loop
+
+    return validation_loop(run)
+
+
+# -- state ------------------------------------------------------------------------------------
+
+
+@hookimpl
+def distrun_state_dict(run) -> dict[str, Any]:
+    from distrun.train.loop import rng_state
+
+    state: dict[str, Any] = {"progress": run.progress.state_dict(), "rng": rng_state()}
+    if run.sampler is not None:
+        state["sampler"] = run.sampler.state_dict()
+    return state
+
+
+@hookimpl
+def distrun_load_state_dict(run, state):
+    from distrun.train.loop import set_rng_state
+
+    if "progress" in state:
+        run.progress.load_state_dict(state["progress"])
+    if "sampler" in state and run.sampler is not None:
+        run.sampler.load_state_dict(state["sampler"])
+    if "rng" in state:
+        set_rng_state(state["rng"])
+
+

@@ -1,0 +1,384 @@
+"""The core's own loop: setup, fit, epoch, step, validation. Plugins wrap these via hooks."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
+from distrun.spec.errors import UsageError
+from distrun.registry.collect import choose_strategy, collect_strategies
+from distrun.train.run import Run
+
+__all__ = ["fit_loop", "setup_run", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def setup_run(run: Run) -> None:
+    """Strategy, model, optimizer and data, each through its hook."""
+    info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm))
+    run.strategy = info.factory(run.config)
+    run.strategy.setup(run)
+    run.hook.distrun_setup_strategy(run=run)
+    if not getattr(run.strategy, "trains", True):
+        return  # a serving rank (RPC parameter server): nothing to build here
+    seed_everything(run.config.seed)
+    run.model = run.task.configure_model()
+    if not isinstance(run.model, torch.nn.Module):
+        raise UsageError("task.configure_model() must return a torch.nn.Module")
+    run.hook.distrun_setup_model(run=run)
+    run.hook.distrun_setup_optimizer(run=run)
+    run.hook.distrun_setup_data(run=run)
+
+
+# -- the core's implementations of the setup hooks ------------------------------------------
+
+
+def wrap_model(run: Run) -> None:
+    run.model = run.strategy.wrap_model(run.model)
+
+
+def build_optimizer(run: Run) -> None:
+    if run.optimizer is None:
+        run.optimizer = run.task.configure_optimizer(run.model.parameters())
+        sched = getattr(run.task, "configure_scheduler", None)
+        if sched is not None and run.lr_scheduler is None:
+            run.lr_scheduler = sched(run.optimizer)
+    run.optimizer = run.strategy.wrap_optimizer(run.optimizer)
+
+
+def _is_map_dataset(data: Any) -> bool:
+    return hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(
+        data, torch.utils.data.DataLoader
+    )
+
+
+def build_loaders(run: Run) -> None:
+    cfg, st = run.config, run.strategy
+    collate = getattr(run.task, "collate_fn", None)
+    # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
+    # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
+    common = dict(num_workers=cfg.num_workers, collate_fn=collate,
+                  pin_memory=st.device.type == "cuda",
+                  persistent_workers=cfg.num_workers > 0,
+                  generator=torch.Generator().manual_seed(cfg.seed))
+    data = run.task.train_data()
+    if _is_map_dataset(data):
+        run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
+                                       seed=cfg.seed)
+        run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
+    else:
+        run.train_loader = data
+    val = run.task.val_data() if hasattr(run.task, "val_data") else None
+    if val is not None and _is_map_dataset(val):
+        local = max(1, cfg.batch_size // st.dp_world_size)
+        sampler = ShardedEvalSampler(len(val), local, st.dp_rank, st.dp_world_size)
+        run.val_loader = torch.utils.data.DataLoader(val, batch_sampler=sampler, **common)
+    else:
+        run.val_loader = val
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    return 1
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class _Window:
+    """Loss and sample counts since the last log, kept as tensors (no per-step sync)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = 0.0
+        self.micro = 0
+        self.samples = 0
+        self.started = time.perf_counter()
+
+
+def fit_loop(run: Run) -> Any:
+    """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
+    cfg = run.config
+    run.extras["_window"] = _Window()
+    if run.sampler is not None:
+        run.sampler.epoch = run.progress.epoch
+    while run.progress.epoch < cfg.max_epochs and not run.done:
+        run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
+        _await_ranks(run, run.progress.epoch)
+        if run.done and run.stop_signal is not None:
+            break
+        finished = run.progress.epoch
+        if not run.done or _epoch_complete(run):
+            if run.val_loader is not None:
+                validate(run)
+            run.progress.epoch += 1
+            if run.sampler is not None:
+                run.sampler.set_epoch(run.progress.epoch)
+            run.hook.distrun_on_epoch_end(run=run, epoch=finished)
+    _log(run)
+    stopped = run.stop_signal is not None
+    if not stopped and run.val_loader is not None \
+            and run.extras.get("_val_step") != run.progress.step:
+        validate(run)
+    return run.progress
+
+
+def _await_ranks(run: Run, epoch: int) -> None:
+    """Plain iterables may run out at different steps on different ranks: meet at the end of
+    the epoch through the store, not a collective (a rank still training would mismatch it and
+    gloo aborts), so a rank ahead fails with a timeout instead of corrupting the next op."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if run.sampler is not None or run.world_size < 2 or not dist.is_initialized() \
+            or dist.get_world_size() != run.world_size:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"distrun/epoch_end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{epoch}"
+    arrived = store.add(key, 1)  # counts on across fits that share one process group
+    done = f"{key}/{(arrived - 1) // run.world_size}"
+    if arrived % run.world_size == 0:
+        store.set(done, "1")
+    try:
+        store.wait([done], datetime.timedelta(seconds=run.config.timeout))
+    except RuntimeError:
+        raise TimeoutError(f"rank {run.rank} finished epoch {epoch} but the other ranks did "
+                           f"not within the {run.config.timeout:g}s timeout") from None
+
+
+def _epoch_complete(run: Run) -> bool:
+    return run.sampler is not None and len(run.sampler) == 0
+
+
+def epoch_loop(run: Run, epoch: int) -> int:
+    """The core's ``distrun_run_epoch``: micro-batches with accumulation, steps, logging."""
+    cfg, st, hook = run.config, run.strategy, run.hook
+    model, window = run.model, run.extras["_window"]
+    accum = cfg.grad_accum
+    local_batch = run.sampler.local_batch if run.sampler is not None else None
+    model.train()
+    micro_in_step = 0
+    for batch, last in _with_last(run.train_loader):
+        batch = to_device(batch, st.device)
+        micro_in_step += 1
+        boundary = micro_in_step == accum or last
+        ctx = st.no_sync(model) if not boundary else _NULL
+        with ctx:
+            loss = hook.distrun_training_step(run=run, batch=batch)
+            hook.distrun_backward(run=run, loss=loss / accum if accum > 1 else loss)
+        if run.sampler is not None:
+            run.sampler.advance()
+        run.progress.micro_step += 1
+        window.loss = window.loss + loss.detach()
+        window.micro += 1
+        window.samples += local_batch if local_batch is not None else _batch_len(batch)
+        if not boundary:
+            continue
+        micro_in_step = 0
+        hook.distrun_optimizer_step(run=run)
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.lr_scheduler is not None:
+            run.lr_scheduler.step()
+        prog = run.progress
+        prog.step += 1
+        hook.distrun_on_step_end(run=run, step=prog.step,
+                                 metrics={"loss": loss.detach(), "epoch": epoch})
+        if prog.step % cfg.log_every_n_steps == 0:
+            _log(run)
+        elif run.stop_signal is not None and run.world_size == 1:
+            run.done = True
+        if cfg.val_every_n_steps and prog.step % cfg.val_every_n_steps == 0 \
+                and run.val_loader is not None:
+            validate(run)
+            model.train()
+        if 0 <= cfg.max_steps <= prog.step:
+            run.done = True
+        if run.done:
+            break
+    return epoch + 1
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NULL = _Null()
+
+
+def _log(run: Run) -> None:
+    """Reduce the window across ranks (one all-reduce, which also carries stop requests)."""
+    window = run.extras.get("_window")
+    if window is None or run.strategy is None:
+        return
+    loss = window.loss if isinstance(window.loss, torch.Tensor) else torch.tensor(window.loss)
+    stop = 1.0 if run.stop_signal is not None else 0.0
+    packed = torch.stack([
+        loss.detach().to(torch.float64).reshape(()),
+        torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
+        torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device),
+        torch.tensor(stop, dtype=torch.float64, device=loss.device),
+    ]).to(run.strategy.device)
+    run.strategy.all_reduce(packed, "sum")
+    loss_sum, micro, samples, stops = packed.tolist()
+    elapsed = max(time.perf_counter() - window.started, 1e-9)
+    window.reset()
+    if stops > 0:
+        run.done = True
+        if run.stop_signal is None:
+            import signal
+
+            run.stop_signal = int(signal.SIGTERM)
+    if micro == 0:
+        return
+    metrics = {
+        "loss": loss_sum / micro,
+        # ranks of one data-parallel replica (TP) saw the same samples: count them once
+        "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
+        "epoch": float(run.progress.epoch),
+        "step": float(run.progress.step),
+    }
+    if run.optimizer is not None and run.optimizer.param_groups:
+        metrics["lr"] = float(run.optimizer.param_groups[0].get("lr", 0.0))
+    run.metrics.update(metrics)
+    run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)
+
+
+def validate(run: Run) -> Mapping[str, float]:
+    metrics = run.hook.distrun_run_validation(run=run) or {}
+    run.extras["_val_step"] = run.progress.step
+    if metrics:
+        run.metrics.update(metrics)
+        run.hook.distrun_on_validation_end(run=run, step=run.progress.step, metrics=metrics)
+        run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
+    return metrics
+
+
+def validation_loop(run: Run) -> dict[str, float]:
+    """The core's ``distrun_run_validation``: sample-weighted means reduced over ranks."""
+    step_fn = getattr(run.task, "validation_step", None)
+    if step_fn is None or run.val_loader is None:
+        return {}
+    model, st = run.model, run.strategy
+    was_training = model.training
+    model.eval()
+    names: list[str] = []
+    sums: torch.Tensor | None = None
+    count = 0.0
+    with torch.no_grad():
+        for batch in run.val_loader:
+            batch = to_device(batch, st.device)
+            out = step_fn(model, batch)
+            if out is None:
+                continue
+            if not isinstance(out, Mapping):
+                out = {"val_loss": out}
+            n = float(_batch_len(batch))
+            if not names:
+                names = [k if k.startswith("val_") else f"val_{k}" for k in out]
+            vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
+                                for v in out.values()]) * n
+            sums = vals if sums is None else sums + vals
+            count += n
+    model.train(was_training)
+    if sums is None:
+        return {}
+    packed = torch.cat([sums, torch.tensor([count], dtype=torch.float64)]).to(st.device)
+    st.all_reduce(packed, "sum")
+    values = packed.tolist()
+    total = values[-1]
+    return {name: v / total for name, v in zip(names, values[:-1])}
+
+
+# -- state the core contributes to checkpoints ------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    if "python" in state:
+        random.setstate(_to_tuple(state["python"]))
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.as_tensor(state["cuda"], dtype=torch.uint8))
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_to_tuple(v) for v in value)
+    return value

@@ -1,0 +1,125 @@
+"""The state of one worker's run, handed to every loop hook as ``run``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pluggy
+    import torch
+
+    from distrun.config.run_config import RunConfig
+    from distrun.train.sampler import ResumableSampler
+    from distrun.spec.strategy import Strategy
+
+__all__ = ["EXIT_REQUEUE", "Progress", "Run"]
+
+#: exit code after a preemption checkpoint: 128+SIGTERM, which schedulers (Kubernetes
+#: PyTorchJob's ExitCode policy, SLURM --requeue scripts) treat as retryable
+EXIT_REQUEUE = 143
+
+log = logging.getLogger("distrun")
+
+
+@dataclass
+class Progress:
+    """Where the loop is. ``step`` counts optimizer steps over the whole run."""
+
+    epoch: int = 0
+    step: int = 0
+    micro_step: int = 0
+    samples: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("epoch", "step", "micro_step", "samples"):
+            setattr(self, key, int(state.get(key, 0)))
+
+
+class Run:
+    """One worker's view of the run: config, task, strategy, model, data and progress.
+
+    Plugins may replace ``model``, ``optimizer``, ``lr_scheduler``, ``train_loader`` and
+    ``val_loader`` in the setup hooks, and keep their own objects in ``run.extras``.
+    """
+
+    def __init__(self, config: RunConfig, task: Any, pm: pluggy.PluginManager) -> None:
+        self.config = config
+        self.task = task
+        self.pm = pm
+        self.hook = pm.hook
+        self.strategy: Strategy = None  # type: ignore[assignment]
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.train_loader: Any = None
+        self.val_loader: Any = None
+        self.sampler: ResumableSampler | None = None
+        self.progress = Progress()
+        self.metrics: dict[str, float] = {}
+        self.extras: dict[str, Any] = {}
+        self.stop_signal: int | None = None
+        self.done = False
+        self.resumed_from: str | None = None
+        self.run_dir = config.run_dir
+        self.log = log
+
+    # -- topology, from the strategy once it is set up (torchrun's env before that) --------
+    @property
+    def rank(self) -> int:
+        if self.strategy is not None:
+            return self.strategy.rank
+        return int(os.environ.get("RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        if self.strategy is not None:
+            return self.strategy.world_size
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""
+        return self.strategy.unwrap_model(self.model)
+
+    def save_checkpoint(self, reason: str = "user") -> str | None:
+        """Write a checkpoint now (every rank must call this together); returns its path."""
+        path = self.hook.distrun_save_checkpoint(run=self, reason=reason)
+        if path is None and reason == "user":
+            log.warning("no checkpoint plugin is installed: pip install distrun-safetensors")
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every contributed state of this rank (``progress``, ``sampler``, ``rng``, plugins')."""
+        merged: dict[str, Any] = {}
+        for part in self.hook.distrun_state_dict(run=self):
+            if not part:
+                continue
+            for name, value in part.items():
+                if name in merged:
+                    raise RuntimeError(f"two plugins contribute checkpoint state named {name!r}")
+                merged[name] = value
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hook.distrun_load_state_dict(run=self, state=state)

@@ -1,0 +1,71 @@
+"""The user's task: what to train. Subclassing :class:`Task` is optional (duck typing works)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from distrun.spec.errors import UsageError
+
+__all__ = ["Task", "load_task"]
+
+
+class Task:
+    """A training task in plain PyTorch; override what you need.
+
+    Required: ``configure_model()``, ``train_data()`` and ``training_step(model, batch)``.
+    ``train_data()`` returns a map-style ``Dataset`` (distrun shards and resumes it) or any
+    iterable of batches (used as-is on each rank: your code shards it).
+    """
+
+    def configure_model(self) -> Any:
+        raise NotImplementedError("Task.configure_model() must return an nn.Module")
+
+    def configure_optimizer(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    def train_data(self) -> Any:
+        raise NotImplementedError("Task.train_data() must return a Dataset or an iterable")
+
+    def val_data(self) -> Any:
+        return None
+
+    def training_step(self, model: Any, batch: Any) -> Any:
+        raise NotImplementedError("Task.training_step(model, batch) must return the loss")
+
+    def validation_step(self, model: Any, batch: Any) -> Any:
+        return None
+
+    def configure_scheduler(self, optimizer: Any) -> Any:
+        return None
+
+
+def load_task(target: str) -> Any:
+    """Build the task named ``pkg.module:Class`` or ``path/to/file.py:Class`` (no arguments)."""
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise UsageError(f"task target {target!r} must look like pkg.module:Class or file.py:Class")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise UsageError(f"task file not found: {where}")
+        name = "_distrun_task_" + os.path.splitext(os.path.basename(where))[0]
+        spec = importlib.util.spec_from_file_location(name, where)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"cannot import task module {where!r}: {exc}") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{where} has no attribute {attr!r} (check the :Class part)") from None
+    return obj() if isinstance(obj, type) else obj

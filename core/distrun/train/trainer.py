@@ -1,0 +1,158 @@
+"""``Trainer``: builds the run config and the run, then drives the hooks in order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
+from distrun.spec.errors import DistrunError
+from distrun.registry.manager import get_plugin_manager
+from distrun.registry.collect import collect_options
+from distrun.train.run import EXIT_REQUEUE, Run
+
+__all__ = ["Trainer", "worker_config"]
+
+log = logging.getLogger("distrun")
+_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
+    """The config of this worker: the launcher's values (``DISTRUN_CONFIG``), env, code."""
+    inherited = None
+    if os.environ.get(CONFIG_ENV):
+        inherited = json.loads(os.environ[CONFIG_ENV])["values"]
+    config = resolve_config(collect_options(pm), code=code, inherited=inherited)
+    if not config.run_dir:
+        from distrun.config.run_config import with_values
+
+        name = config.name or os.path.splitext(os.path.basename(sys.argv[0] or "run"))[0]
+        config = with_values(config, name=name, run_dir=os.path.join("runs", name))
+    return config
+
+
+def _setup_logging(rank: int) -> None:
+    """Rank 0 says INFO, the others only warnings. Records still propagate, so an app's own
+    logging setup (or pytest's caplog) sees them; our plain stdout handler is added only when
+    nobody configured logging."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+class Trainer:
+    """Train a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
+
+    Keyword arguments are run-config fields and plugin options; flags, ``DISTRUN_*`` variables
+    and the ``--config`` file of ``distrun run`` take precedence over them.
+    """
+
+    def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
+                 **options: Any) -> None:
+        self._config = config
+        self._options = options
+        self._plugins = plugins
+
+    def fit(self, task: Any) -> Run:
+        """Run setup, restore, the loop and teardown; return the finished :class:`Run`."""
+        _setup_logging(int(os.environ.get("RANK", "0")))
+        try:
+            pm = get_plugin_manager()
+            for plugin in self._plugins:
+                if not pm.is_registered(plugin):
+                    pm.register(plugin)
+            config = self._config or worker_config(pm, self._options)
+        except DistrunError as exc:
+            _exit_on_error(exc, debug=bool(self._options.get("debug")))
+        pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
+        run = Run(config, task, pm)
+        previous = _install_stop_handlers(run)
+        try:
+            self._fit(run)
+        except DistrunError as exc:
+            pm.hook.distrun_on_exception(run=run, exc=exc)
+            _exit_on_error(exc, debug=config.debug)
+        except BaseException as exc:
+            pm.hook.distrun_on_exception(run=run, exc=exc)
+            if _is_collective_timeout(exc, run):
+                _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
+            raise
+        finally:
+            _restore_handlers(previous)
+            try:
+                pm.hook.distrun_teardown(run=run)
+            finally:
+                if run.strategy is not None:
+                    run.strategy.teardown()
+        if run.stop_signal is not None and run.done:
+            sys.exit(EXIT_REQUEUE)
+        return run
+
+    def _fit(self, run: Run) -> None:
+        from distrun.train.loop import setup_run
+
+        setup_run(run)
+        if not getattr(run.strategy, "trains", True):
+            return  # this rank served the trainers during strategy.setup and is done
+        if run.config.resume != "never":
+            run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
+            if run.resumed_from:
+                log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
+        run.hook.distrun_on_fit_start(run=run)
+        run.hook.distrun_run_fit(run=run)
+        if run.stop_signal is not None and run.done:
+            log.warning("Stop signal %d: saving a checkpoint and exiting for requeue",
+                        run.stop_signal)
+            run.hook.distrun_on_preempt(run=run, signum=run.stop_signal)
+            run.save_checkpoint("preempt")
+            return
+        run.hook.distrun_on_fit_end(run=run)
+
+
+def _exit_on_error(exc: DistrunError, debug: bool) -> None:
+    if debug:
+        raise exc
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(exc.exit_code)
+
+
+def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, TimeoutError)) and run.world_size > 1 \
+        and ("timed out" in text or "timeout" in text)
+
+
+def _timeout_message(run: Run) -> str:
+    return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
+            "are out of step (most often uneven inputs: one rank ran out of batches while the "
+            "others wait for it; pip install distrun-join, or give every rank the same number "
+            "of batches); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT")
+
+
+def _install_stop_handlers(run: Run) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+
+    def on_stop(signum: int, frame: Any) -> None:
+        run.stop_signal = signum
+
+    for name in _STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[sig] = signal.signal(sig, on_stop)
+    return previous
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
