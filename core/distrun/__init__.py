@@ -11,6 +11,7 @@ from distrun._version import __version__
 from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.markers import hookimpl, hookspec
 from distrun.spec.options import Option
+from distrun.spec.stash import Stash, StashKey
 from distrun.spec.strategy import StrategyInfo
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ __all__ = [
     "Option",
     "Run",
     "RunConfig",
+    "Stash",
+    "StashKey",
     "StrategyInfo",
     "Task",
     "Trainer",

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-from distrun import hookimpl
+from distrun import StashKey, hookimpl
+
+#: the state dict captured at save time, for the test to compare after a restore
+SAVED: StashKey[dict[str, Any]] = StashKey("recorder.saved")
 
 
 def _record(hook: str, **extra) -> None:
@@ -148,7 +152,7 @@ def distrun_load_state_dict(run, state):
 def distrun_save_checkpoint(run, reason):
     _record("distrun_save_checkpoint", reason=reason)
     # Exercise the state hooks as a checkpoint plugin would.
-    run.extras["recorder_saved"] = run.state_dict()
+    run.stash[SAVED] = run.state_dict()
 
 
 @hookimpl

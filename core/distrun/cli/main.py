@@ -13,7 +13,12 @@ import click
 
 from distrun import __version__
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
-from distrun.spec.errors import DistrunError, UsageError
+from distrun.registry.collect import (
+    apply_cluster_env,
+    choose_strategy,
+    collect_options,
+    collect_strategies,
+)
 from distrun.registry.manager import (
     BLOCK_ENV,
     EXTRA_ENV,
@@ -21,12 +26,7 @@ from distrun.registry.manager import (
     plugin_infos,
     set_plugin_manager,
 )
-from distrun.registry.collect import (
-    apply_cluster_env,
-    choose_strategy,
-    collect_options,
-    collect_strategies,
-)
+from distrun.spec.errors import DistrunError, UsageError
 
 __all__ = ["main", "build_cli"]
 

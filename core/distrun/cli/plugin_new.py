@@ -63,9 +63,9 @@ The hooks and their contracts: `python -c "import distrun.spec.hookspecs as h; h
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from distrun import Option, StashKey, hookimpl
 
-_STEPS = "@NAME@.steps"  # this plugin's slot in run.extras
+_STEPS: StashKey[int] = StashKey("@NAME@.steps")  # this plugin's slot in run.stash
 
 
 @hookimpl
@@ -77,18 +77,18 @@ def distrun_register_options(register):
 
 @hookimpl
 def distrun_on_fit_start(run):
-    run.extras[_STEPS] = 0
+    run.stash[_STEPS] = 0
 
 
 @hookimpl
 def distrun_on_step_end(run, step, metrics):
-    run.extras[_STEPS] += 1  # hot path: keep it cheap
+    run.stash[_STEPS] += 1  # hot path: keep it cheap
 
 
 @hookimpl
 def distrun_on_fit_end(run):
     if run.is_global_zero and run.config.@NAME@_report:
-        print(f"@NAME@: {run.extras[_STEPS]} steps", flush=True)
+        print(f"@NAME@: {run.stash[_STEPS]} steps", flush=True)
 '''
 
 _TEST = '''\

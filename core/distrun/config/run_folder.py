@@ -85,8 +85,8 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
 def distrun_launch(config, command, environ):
     # The launcher knows every value's source, and runs for torchrun scripts too.
     if config.node_rank == 0 and config.run_dir:
-        from distrun.registry.manager import get_plugin_manager
         from distrun.registry.collect import collect_options
+        from distrun.registry.manager import get_plugin_manager
 
         # The launcher has the declarations: group plugin options by plugin, with help.
         options = collect_options(get_plugin_manager())

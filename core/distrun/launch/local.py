@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,30 +21,15 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from distrun.config.run_config import RunConfig
+from distrun.launch.exits import exit_code
+from distrun.launch.ports import check_port, free_port
+from distrun.launch.relay import Relay, new_tail, report_failure
 from distrun.spec.errors import UsageError
 
-__all__ = ["WorkerGroup", "check_port", "free_port", "launch_local", "torchrun_env"]
+__all__ = ["WorkerGroup", "launch_local", "torchrun_env"]
 
 #: seconds a worker has, after SIGTERM, to save and exit before SIGKILL
 STOP_GRACE = 30.0
-TAIL_LINES = 20
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port(host: str, port: int) -> None:
-    """Fail with a usage error if ``port`` on ``host`` cannot be bound (node 0 hosts the store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
-        except OSError:
-            raise UsageError(
-                f"port {port} on {host} is in use (pick another --master-port, or 0 for a free one)"
-            ) from None
 
 
 def resolve_nproc(value: Any) -> int:
@@ -80,7 +64,7 @@ def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_siz
 class _Worker:
     rank: int
     proc: subprocess.Popen
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    tail: collections.deque[str] = field(default_factory=new_tail)
     threads: list[threading.Thread] = field(default_factory=list)
     log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
@@ -91,10 +75,8 @@ class WorkerGroup:
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
                  ranks: Sequence[int], tee: bool = False, log_dir: str | None = None) -> None:
         self.command = list(command)
-        self.tee = tee
+        self.relay = Relay(tee=tee)
         self.workers: list[_Worker] = []
-        self._print_lock = threading.Lock()
-        self._seen_errors: set[str] = set()
         self.stopping_since: float | None = None
         for rank, env in zip(ranks, envs):
             proc = subprocess.Popen(
@@ -108,27 +90,9 @@ class WorkerGroup:
                     worker.log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
                 except OSError:
                     worker.log = None
-            for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=self._relay, args=(worker, src, dst), daemon=True)
-                t.start()
-                worker.threads.append(t)
+            pipes = ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+            worker.threads = [self.relay.pipe(worker, src, dst) for src, dst in pipes]
             self.workers.append(worker)
-
-    def _relay(self, worker: _Worker, src: IO[str], dst: IO[str]) -> None:
-        for line in src:
-            worker.tail.append(line.rstrip("\n"))
-            with self._print_lock:
-                if worker.log is not None and not worker.log.closed:
-                    worker.log.write(line)
-                    worker.log.flush()
-                # The same usage error from N ranks is said once.
-                if line.startswith("error: "):
-                    if line in self._seen_errors:
-                        continue
-                    self._seen_errors.add(line)
-                dst.write(f"[rank{worker.rank}]: {line}" if self.tee else line)
-                dst.flush()
-        src.close()
 
     def signal_all(self, signum: int) -> None:
         for w in self.workers:
@@ -148,7 +112,7 @@ class WorkerGroup:
                         time.monotonic() - self.stopping_since > STOP_GRACE:
                     self.stop(grace=0.0)
                     nonzero = [w for w in self.workers if w.proc.returncode != 0]
-                    return (_exit_code(nonzero[0].proc.returncode), nonzero[0]) if nonzero \
+                    return (exit_code(nonzero[0].proc.returncode), nonzero[0]) if nonzero \
                         else (0, None)
                 time.sleep(poll)
                 continue
@@ -156,7 +120,7 @@ class WorkerGroup:
             if failed:
                 first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15), w.rank))
                 self.stop(grace=5.0)
-                return _exit_code(first.proc.returncode), first
+                return exit_code(first.proc.returncode), first
             if all(c == 0 for c in codes):
                 self._join_relays()
                 return 0, None
@@ -177,23 +141,8 @@ class WorkerGroup:
             for t in w.threads:
                 t.join(timeout=2.0)
             if w.log is not None:
-                with self._print_lock:
+                with self.relay.lock:
                     w.log.close()
-
-
-def _exit_code(returncode: int) -> int:
-    return returncode if returncode >= 0 else 128 - returncode
-
-
-def report_failure(worker: _Worker, code: int) -> None:
-    lines = [ln for ln in worker.tail if ln.strip()]
-    if lines and lines[-1].startswith("error: "):
-        return  # a usage error was already said, in one line
-    print(f"distrun: rank {worker.rank} failed with exit code {code}; its last lines:",
-          file=sys.stderr)
-    for ln in lines[-TAIL_LINES:]:
-        print(f"  [rank{worker.rank}] {ln}", file=sys.stderr)
-    sys.stderr.flush()
 
 
 def node_layout(config: RunConfig) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """A plain metrics line on rank 0 at each log step, so a run is never silent.
 
 A plugin that shows metrics its own way (a progress bar) mutes it for the run by setting
-``run.extras[MUTE_KEY]`` to its name; a user mutes it with ``--no-console``.
+``run.stash[CONSOLE_OWNER]`` (:mod:`distrun.spec.keys`) to its name; a user mutes it with ``--no-console``.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from distrun.spec.keys import CONSOLE_OWNER
 from distrun.spec.markers import hookimpl
 from distrun.spec.options import Option
 
-__all__ = ["MUTE_KEY", "format_metrics"]
+__all__ = ["format_metrics"]
 
-#: ``run.extras`` key: set it (to your plugin's name) to take over the console line
-MUTE_KEY = "console.muted_by"
 _FIRST = ("epoch", "step", "loss", "samples_per_sec", "lr")
 
 
@@ -53,6 +52,6 @@ def distrun_register_options(register):
 def distrun_log_metrics(run, step, metrics):
     if not run.is_global_zero or not run.config.get("console", True):
         return
-    if run.extras.get(MUTE_KEY):
+    if run.stash.get(CONSOLE_OWNER):
         return
     run.log.info(format_metrics(step, metrics))

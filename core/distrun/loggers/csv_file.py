@@ -16,11 +16,12 @@ from typing import Any
 
 from distrun.spec.markers import hookimpl
 from distrun.spec.options import Option
+from distrun.spec.stash import StashKey
 
 __all__ = ["METRICS_FILE", "CsvLogger", "read_metrics"]
 
 METRICS_FILE = "metrics.csv"
-_KEY = "csv_logger"
+_KEY: StashKey[CsvLogger] = StashKey("csv_logger")
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
@@ -90,11 +91,11 @@ def distrun_on_fit_start(run):
     if not run.is_global_zero or not run.config.get("csv", True) or not run.run_dir:
         return
     keep = run.progress.step if run.resumed_from else None
-    run.extras[_KEY] = CsvLogger(os.path.join(run.run_dir, METRICS_FILE), keep_until_step=keep)
+    run.stash[_KEY] = CsvLogger(os.path.join(run.run_dir, METRICS_FILE), keep_until_step=keep)
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
-    logger = run.extras.get(_KEY)
+    logger = run.stash.get(_KEY)
     if logger is not None:
         logger.log(step, metrics.get("epoch", run.progress.epoch), metrics)

@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     import click
     import torch
 
-    from distrun.spec.cluster import ClusterEnv
     from distrun.config.run_config import RunConfig
+    from distrun.spec.cluster import ClusterEnv
     from distrun.spec.options import Option
-    from distrun.train.run import Run
     from distrun.spec.strategy import StrategyInfo
+    from distrun.train.run import Run
 
 
 # -------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from distrun.config.run_config import RunConfig
 from distrun.spec.errors import UsageError
 
-__all__ = ["env_topology", "init_process_group", "select_device"]
+__all__ = ["env_topology", "init_process_group", "init_single_process_group", "select_device"]
 
 log = logging.getLogger("distrun")
 
@@ -64,4 +64,16 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
           flush=True)
     if rank == 0:
         log.info("distributed_backend=%s: all %d processes registered", backend, world)
+    return True
+
+
+def init_single_process_group(backend: str = "gloo") -> bool:
+    """A real one-rank group over an in-memory store; True if this call created it.
+
+    For a strategy run by one process that still wants collectives and a device mesh, so the
+    same code path runs at any world size. Nothing happens when a group already exists.
+    """
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True

@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ from typing import Any
 
 import pytest
 
+from distrun.launch.ports import free_port
+
 __all__ = ["CliResult", "distrun_cli", "distrun_pm", "free_port", "run_cli", "run_on_ranks"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

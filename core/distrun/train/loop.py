@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
-from distrun.spec.errors import UsageError
 from distrun.registry.collect import choose_strategy, collect_strategies
+from distrun.spec.errors import UsageError
+from distrun.spec.stash import StashKey
 from distrun.train.run import Run
+from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
 
 __all__ = ["fit_loop", "setup_run", "seed_everything"]
 
@@ -142,10 +143,15 @@ class _Window:
         self.started = time.perf_counter()
 
 
+#: the loop's own slots on the run
+_WINDOW: StashKey[_Window] = StashKey("loop.window")
+_VALIDATED_AT: StashKey[int] = StashKey("loop.validated_at_step")
+
+
 def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
     cfg = run.config
-    run.extras["_window"] = _Window()
+    run.stash[_WINDOW] = _Window()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
     while run.progress.epoch < cfg.max_epochs and not run.done:
@@ -164,7 +170,7 @@ def fit_loop(run: Run) -> Any:
     _log(run)
     stopped = run.stop_signal is not None
     if not stopped and run.val_loader is not None \
-            and run.extras.get("_val_step") != run.progress.step:
+            and run.stash.get(_VALIDATED_AT) != run.progress.step:
         validate(run)
     return run.progress
 
@@ -201,7 +207,7 @@ def _epoch_complete(run: Run) -> bool:
 def epoch_loop(run: Run, epoch: int) -> int:
     """The core's ``distrun_run_epoch``: micro-batches with accumulation, steps, logging."""
     cfg, st, hook = run.config, run.strategy, run.hook
-    model, window = run.model, run.extras["_window"]
+    model, window = run.model, run.stash[_WINDOW]
     accum = cfg.grad_accum
     local_batch = run.sampler.local_batch if run.sampler is not None else None
     model.train()
@@ -259,7 +265,7 @@ _NULL = _Null()
 
 def _log(run: Run) -> None:
     """Reduce the window across ranks (one all-reduce, which also carries stop requests)."""
-    window = run.extras.get("_window")
+    window = run.stash.get(_WINDOW)
     if window is None or run.strategy is None:
         return
     loss = window.loss if isinstance(window.loss, torch.Tensor) else torch.tensor(window.loss)
@@ -297,7 +303,7 @@ def _log(run: Run) -> None:
 
 def validate(run: Run) -> Mapping[str, float]:
     metrics = run.hook.distrun_run_validation(run=run) or {}
-    run.extras["_val_step"] = run.progress.step
+    run.stash[_VALIDATED_AT] = run.progress.step
     if metrics:
         run.metrics.update(metrics)
         run.hook.distrun_on_validation_end(run=run, step=run.progress.step, metrics=metrics)

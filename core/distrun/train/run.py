@@ -7,13 +7,15 @@ import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from distrun.spec.stash import Stash
+
 if TYPE_CHECKING:
     import pluggy
     import torch
 
     from distrun.config.run_config import RunConfig
-    from distrun.train.sampler import ResumableSampler
     from distrun.spec.strategy import Strategy
+    from distrun.train.sampler import ResumableSampler
 
 __all__ = ["EXIT_REQUEUE", "Progress", "Run"]
 
@@ -45,7 +47,8 @@ class Run:
     """One worker's view of the run: config, task, strategy, model, data and progress.
 
     Plugins may replace ``model``, ``optimizer``, ``lr_scheduler``, ``train_loader`` and
-    ``val_loader`` in the setup hooks, and keep their own objects in ``run.extras``.
+    ``val_loader`` in the setup hooks, and keep their own objects in ``run.stash`` under a
+    :class:`~distrun.spec.stash.StashKey` they define.
     """
 
     def __init__(self, config: RunConfig, task: Any, pm: pluggy.PluginManager) -> None:
@@ -62,7 +65,7 @@ class Run:
         self.sampler: ResumableSampler | None = None
         self.progress = Progress()
         self.metrics: dict[str, float] = {}
-        self.extras: dict[str, Any] = {}
+        self.stash = Stash()
         self.stop_signal: int | None = None
         self.done = False
         self.resumed_from: str | None = None

@@ -11,9 +11,9 @@ import threading
 from typing import Any
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
-from distrun.spec.errors import DistrunError
-from distrun.registry.manager import get_plugin_manager
 from distrun.registry.collect import collect_options
+from distrun.registry.manager import get_plugin_manager
+from distrun.spec.errors import DistrunError
 from distrun.train.run import EXIT_REQUEUE, Run
 
 __all__ = ["Trainer", "worker_config"]

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distrun.strategies.base import BaseStrategy
 from distrun.spec.errors import UsageError
+from distrun.strategies.base import BaseStrategy
 
 if TYPE_CHECKING:
     from distrun.train.run import Run

@@ -36,8 +36,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from distrun.launch.exits import exit_code
+from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
-from distrun.launch.local import report_failure
 from distrun.train.run import EXIT_REQUEUE
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
@@ -49,10 +50,6 @@ _USAGE_ERROR = 2
 _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 #: phrases of a rank that failed because a peer died first (not the root cause)
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-
-
-def _exit_code(returncode: int) -> int:
-    return returncode if returncode >= 0 else 128 - returncode
 
 
 def _say(message: str) -> None:
@@ -99,7 +96,7 @@ class DistrunAgent(LocalElasticAgent):
             elif self._remaining_restarts > 0:
                 self.restarts += 1
                 spec = worker_group.spec
-                _say(f"rank {rank} exited with code {_exit_code(code)}; restarting the workers "
+                _say(f"rank {rank} exited with code {exit_code(code)}; restarting the workers "
                      f"from the latest checkpoint (restart {self.restarts} of "
                      f"{spec.max_restarts})")
         return result
@@ -211,7 +208,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
             _say(f"{sig.name}: the workers saved a checkpoint and stopped; exit "
                  f"{EXIT_REQUEUE} (requeue)")
             return EXIT_REQUEUE
-        return 128 + int(sig)
+        return exit_code(-int(sig))
     except RendezvousGracefulExitError:
         return 0
     except RendezvousError as exc:
@@ -235,7 +232,7 @@ def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
     else:
         first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
         rank, returncode = first[0], first[1].exitcode
-    code = _exit_code(returncode)
+    code = exit_code(returncode)
     if code == EXIT_REQUEUE:
         _say(f"the workers saved a checkpoint and stopped; exit {EXIT_REQUEUE} (requeue)")
         return code

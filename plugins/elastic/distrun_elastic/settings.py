@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun.launch.ports import free_port
 from distrun.spec.errors import UsageError
 
 __all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "wants_elastic"]
@@ -112,7 +113,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
             if hi > 1 and config.master_port == 0:
                 raise UsageError("--rdzv-backend static with several nodes needs --master-port "
                                  "(or --rdzv-endpoint HOST:PORT), the same on every node")
-            port = config.master_port or _free_port()
+            port = config.master_port or free_port()
             endpoint = f"{config.master_addr}:{port}"
         conf.setdefault("rank", str(config.node_rank))
     elif not endpoint:
@@ -160,9 +161,3 @@ def _is_default_name(config: RunConfig) -> bool:
     """
     return bool(_DEFAULT_NAME.fullmatch(config.name)) and \
         config.run_dir == os.path.join("runs", config.name)
-
-
-def _free_port() -> int:
-    from distrun.launch.local import free_port
-
-    return free_port("127.0.0.1")

@@ -1,7 +1,7 @@
 """``FSDPStrategy``: FSDP2 ``fully_shard`` over the data-parallel dimensions of a device mesh.
 
 The mesh is ``dp x tp`` (``dp_replicate x dp_shard x tp`` with HSDP), described by
-:class:`distrun.config.parallel_dims.ParallelDims` and published as ``run.extras["device_mesh"]`` and
+:class:`distrun.config.parallel_dims.ParallelDims` and published as ``run.stash[DEVICE_MESH]`` and
 ``strategy.mesh`` so the tp plugin can parallelize the model over ``"tp"`` first (2D).
 """
 
@@ -18,8 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrun.strategies.base import BaseStrategy
 from distrun.config.parallel_dims import ParallelDims
+from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
+from distrun.strategies.base import BaseStrategy
+from distrun.strategies.process_group import init_single_process_group
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
 if TYPE_CHECKING:
@@ -35,9 +37,7 @@ class FSDPStrategy(BaseStrategy):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        if self.world_size == 1 and not dist.is_initialized():
-            # one process still gets a real (trivial) group, so the same code path runs
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if self.world_size == 1 and init_single_process_group():
             self._owns_group = True
         tp = int(self.config.get("tp_size", 1) or 1)
         self.dims = ParallelDims.from_world(self.world_size, tp=tp,
@@ -47,8 +47,8 @@ class FSDPStrategy(BaseStrategy):
         self.dp_rank = coord.get("dp", 0) if self.dims.dp_replicate == 1 else \
             coord["dp_replicate"] * self.dims.dp_shard + coord["dp_shard"]
         self.dp_world_size = self.dims.dp
-        run.extras["device_mesh"] = self.mesh
-        run.extras["parallel_dims"] = self.dims
+        run.stash[DEVICE_MESH] = self.mesh
+        run.stash[PARALLEL_DIMS] = self.dims
         run.log.info("fsdp: %s", self.dims)
 
     @property

@@ -3,7 +3,7 @@
 Two ways, chosen per epoch by :func:`choose_mode`:
 
 - ``join``: torch's ``Join`` context with every ``Joinable`` of the run (the DDP model, a
-  ZeroRedundancyOptimizer, anything in ``run.extras["joinables"]``). A rank that runs out
+  ZeroRedundancyOptimizer, anything in ``run.stash[JOINABLES]``). A rank that runs out
   shadows the others' collectives until all are done; then the ranks agree again on the
   parameters (DDP's post-hook), the optimizer and scheduler state, and the step counters.
 - ``agree``: the ranks agree on the epoch's length before using a batch (an all-reduce MIN of
@@ -28,6 +28,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from distrun import DistrunError
 from distrun.config.run_config import with_values
+from distrun.spec.keys import JOINABLES
+from distrun.spec.stash import StashKey
 from distrun.train.run import Run
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
@@ -38,11 +40,13 @@ log = logging.getLogger("distrun")
 #: be matched by a rank that already joined, so metrics are reduced after the epoch instead
 _NEVER = 2**62
 
+_ANNOUNCED: StashKey[bool] = StashKey("join.announced")  # the mode was logged once
+
 
 def joinables(run: Run) -> list[Any]:
     """The run's ``Joinable`` objects: model and optimizer first, then other plugins' ones."""
     found = [obj for obj in (run.model, run.optimizer) if isinstance(obj, Joinable)]
-    found += [obj for obj in run.extras.get("joinables", ()) if obj not in found]
+    found += [obj for obj in run.stash.get(JOINABLES, ()) if obj not in found]
     return found
 
 
@@ -84,8 +88,8 @@ def uneven_epoch(run: Run, epoch: int) -> Iterator[None]:
 def _joined(run: Run, epoch: int) -> Iterator[None]:
     cfg = run.config
     found = joinables(run)
-    if not run.extras.get("_join_said"):
-        run.extras["_join_said"] = True
+    if not run.stash.get(_ANNOUNCED):
+        run.stash[_ANNOUNCED] = True
         log.info("join: epochs run inside torch's Join with %s; metrics are reduced at the end "
                  "of each epoch", ", ".join(type(j).__name__ for j in found))
     # In-epoch collectives the core runs on its own (metric logging, step validation) have no

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from distrun import Option, StrategyInfo, hookimpl
+from distrun_rpc.keys import RPC_STRATEGY
 
 PLUGIN = "rpc"
 
@@ -17,7 +18,7 @@ def _make_rpc(config: Any) -> Any:
 
 def _strategy(run: Any) -> Any:
     """This run's RpcStrategy on a trainer, else None (other strategies, server ranks)."""
-    st = run.extras.get("rpc")
+    st = run.stash.get(RPC_STRATEGY)
     return st if st is not None and st.trains else None
 
 
@@ -78,6 +79,6 @@ def distrun_load_state_dict(run, state):
 
 @hookimpl
 def distrun_on_exception(run, exc):
-    st = run.extras.get("rpc")
+    st = run.stash.get(RPC_STRATEGY)
     if st is not None:
         st.failed = True

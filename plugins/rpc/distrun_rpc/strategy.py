@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distrun.strategies.base import BaseStrategy
 from distrun.config.run_config import RunConfig
 from distrun.spec.errors import DistrunError, UsageError
+from distrun.strategies.base import BaseStrategy
 from distrun_rpc import server
+from distrun_rpc.keys import RPC_STRATEGY
 from distrun_rpc.models import HybridModel, RemoteOptimizer, ServerParamsModel, optimizer_spec
 from distrun_rpc.quiet import import_rpc_modules, quiet_torchscript
 from distrun_rpc.roles import Roles, assign_shards
@@ -91,7 +92,7 @@ class RpcStrategy(BaseStrategy):
         if cfg.grad_clip > 0 and self.mode != "async":
             raise UsageError(f"--grad-clip needs local gradients; in rpc {self.mode} mode they "
                              "live in distributed autograd (use --rpc-mode async or drop it)")
-        run.extras["rpc"] = self
+        run.stash[RPC_STRATEGY] = self
         self.roles.export()
         r = self.roles
         print(f"distrun-rpc: rank {self.rank} is {r.role} {r.role_rank} of {r.role_world_size} "

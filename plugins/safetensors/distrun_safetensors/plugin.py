@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distrun import Option, hookimpl
+from distrun import Option, StashKey, hookimpl
 
 PLUGIN = "safetensors"
-_KEY = "safetensors"
+_KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
+_LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic seconds
 
 
 @hookimpl
@@ -30,7 +31,7 @@ def distrun_register_options(register):
 
 
 def _checkpointer(run: Any) -> Any:
-    state = run.extras.get(_KEY)
+    state = run.stash.get(_KEY)
     if state is None:
         from distrun_safetensors.save import Checkpointer
 
@@ -38,7 +39,7 @@ def _checkpointer(run: Any) -> Any:
         state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
                              split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
                              async_save=cfg.ckpt_async)
-        run.extras[_KEY] = state
+        run.stash[_KEY] = state
     return state
 
 
@@ -57,7 +58,7 @@ def distrun_save_checkpoint(run, reason):
             "progress": run.progress.state_dict()}
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
                       run.state_dict(), reason=reason, info=info)
-    run.extras["_ckpt_last_time"] = time.monotonic()
+    run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
         run.log.info("Checkpoint %s (%s)", path, reason)
     return path
@@ -67,7 +68,7 @@ def distrun_save_checkpoint(run, reason):
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
 
-    saver = run.extras.get(_KEY)
+    saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
@@ -93,7 +94,7 @@ def distrun_load_state_dict(run, state):
 
 @hookimpl
 def distrun_on_fit_start(run):
-    run.extras["_ckpt_last_time"] = time.monotonic()
+    run.stash[_LAST_SAVE] = time.monotonic()
 
 
 @hookimpl
@@ -110,7 +111,7 @@ def distrun_on_step_end(run, step):
 
 def _time_due(run: Any, seconds: float) -> bool:
     """Rank 0's clock decides for everyone (one tiny broadcast per step when enabled)."""
-    elapsed = time.monotonic() - run.extras.get("_ckpt_last_time", time.monotonic())
+    elapsed = time.monotonic() - run.stash.get(_LAST_SAVE, time.monotonic())
     flag = elapsed >= seconds
     if run.world_size > 1:
         import torch
@@ -126,14 +127,14 @@ def _time_due(run: Any, seconds: float) -> bool:
 def distrun_on_fit_end(run):
     if run.config.get("ckpt_save_on_end", False):
         run.save_checkpoint("end")
-    saver = run.extras.get(_KEY)
+    saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()
 
 
 @hookimpl
 def distrun_teardown(run):
-    saver = run.extras.get(_KEY)
+    saver = run.stash.get(_KEY)
     if saver is not None:
         try:
             saver.wait()

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distrun import Option, StrategyInfo, UsageError, hookimpl
+from distrun import Option, StashKey, StrategyInfo, UsageError, hookimpl
+from distrun.spec.keys import DEVICE_MESH
 
 if TYPE_CHECKING:
     from distrun.config.run_config import RunConfig
     from distrun.spec.strategy import Strategy
+
+#: set once the model was parallelized over the mesh's "tp" dimension
+_APPLIED: StashKey[bool] = StashKey("tp.applied")
 
 
 def _make_tp(config: RunConfig) -> Strategy:
@@ -44,7 +48,7 @@ def distrun_register_options(register):
 
 
 def _tp_mesh(run: Any) -> Any:
-    mesh = run.extras.get("device_mesh")
+    mesh = run.stash.get(DEVICE_MESH)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return None
     return mesh["tp"]
@@ -68,11 +72,11 @@ def distrun_setup_model(run):
 
     run.model = parallelize(run.model.to(run.device), tp_mesh, run.task, run.config, run.log,
                             verbose=run.is_global_zero)
-    run.extras["tp_applied"] = True
+    run.stash[_APPLIED] = True
 
 
 def _loss_parallel(run: Any) -> bool:
-    return bool(run.config.tp_loss_parallel) and run.extras.get("tp_applied", False)
+    return bool(run.config.tp_loss_parallel) and run.stash.get(_APPLIED, False)
 
 
 @hookimpl(wrapper=True)

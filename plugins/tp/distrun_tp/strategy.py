@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from distrun import UsageError
-from distrun.strategies.base import BaseStrategy
 from distrun.config.parallel_dims import ParallelDims
+from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
+from distrun.strategies.base import BaseStrategy
+from distrun.strategies.process_group import init_single_process_group
 
 if TYPE_CHECKING:
     from distrun.train.run import Run
@@ -31,8 +32,7 @@ class TPStrategy(BaseStrategy):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        if self.world_size == 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if self.world_size == 1 and init_single_process_group():
             self._owns_group = True
         tp = int(self.config.tp_size or 0) or self.world_size
         if tp != self.world_size:
@@ -45,8 +45,8 @@ class TPStrategy(BaseStrategy):
         self.dims = ParallelDims.from_world(self.world_size, tp=tp)
         self.mesh: DeviceMesh = self.dims.build_mesh(self.device.type, self.config.timeout)
         self.dp_rank, self.dp_world_size = 0, 1
-        run.extras["device_mesh"] = self.mesh
-        run.extras["parallel_dims"] = self.dims
+        run.stash[DEVICE_MESH] = self.mesh
+        run.stash[PARALLEL_DIMS] = self.dims
         run.log.info("tp: %s", self.dims)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:

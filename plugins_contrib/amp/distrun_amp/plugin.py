@@ -8,9 +8,15 @@ clip, step, update) before the core, and its scaler state rides in checkpoints.
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from typing import TYPE_CHECKING
 
-_KEY = "amp"
+from distrun import Option, StashKey, hookimpl
+
+if TYPE_CHECKING:
+    from distrun_amp.precision import MixedPrecision
+
+#: the run's autocast/GradScaler state, for plugins that need the scaler
+AMP: StashKey[MixedPrecision] = StashKey("amp")
 STATE_NAME = "amp_scaler"
 
 
@@ -28,12 +34,12 @@ def distrun_setup_strategy(run):
         return
     from distrun_amp.precision import MixedPrecision
 
-    run.extras[_KEY] = MixedPrecision(run.config.precision, run.device)
+    run.stash[AMP] = MixedPrecision(run.config.precision, run.device)
 
 
 @hookimpl(wrapper=True)
 def distrun_training_step(run, batch):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is None:
         return (yield)
     with amp.autocast():
@@ -43,7 +49,7 @@ def distrun_training_step(run, batch):
 
 @hookimpl(wrapper=True)
 def distrun_run_validation(run):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is None:
         return (yield)
     with amp.autocast():
@@ -52,7 +58,7 @@ def distrun_run_validation(run):
 
 @hookimpl(tryfirst=True)
 def distrun_backward(run, loss):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is None or amp.scaler is None:
         return None
     run.strategy.backward(amp.scaler.scale(loss))
@@ -61,7 +67,7 @@ def distrun_backward(run, loss):
 
 @hookimpl(tryfirst=True)
 def distrun_optimizer_step(run):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is None or amp.scaler is None:
         return None
     amp.scaled_step(run)
@@ -70,7 +76,7 @@ def distrun_optimizer_step(run):
 
 @hookimpl
 def distrun_state_dict(run):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is None or amp.scaler is None:
         return None
     return {STATE_NAME: amp.scaler.state_dict()}
@@ -78,6 +84,6 @@ def distrun_state_dict(run):
 
 @hookimpl
 def distrun_load_state_dict(run, state):
-    amp = run.extras.get(_KEY)
+    amp = run.stash.get(AMP)
     if amp is not None and amp.scaler is not None and STATE_NAME in state:
         amp.scaler.load_state_dict(dict(state[STATE_NAME]))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
-from distrun import Option, hookimpl
+from distrun import Option, StashKey, hookimpl
+from distrun.spec.keys import CONSOLE_OWNER
 
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on
 TTY_ENV = "DISTRUN_PROGRESS_TTY"
-_KEY = "progress"
-_MUTE_KEY = "console.muted_by"  # distrun.loggers.console.MUTE_KEY
+_KEY: StashKey[Any] = StashKey("progress")  # the display
 
 
 @hookimpl
@@ -48,33 +49,33 @@ def distrun_on_fit_start(run):
         return
     from distrun_progress.display import make_display
 
-    run.extras[_KEY] = make_display(run)
-    run.extras[_MUTE_KEY] = "progress"
+    run.stash[_KEY] = make_display(run)
+    run.stash[CONSOLE_OWNER] = "progress"
 
 
 @hookimpl
 def distrun_on_step_end(run, step, metrics):
-    display = run.extras.get(_KEY)
+    display = run.stash.get(_KEY)
     if display is not None:
         display.on_step(run, step, metrics)
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
-    display = run.extras.get(_KEY)
+    display = run.stash.get(_KEY)
     if display is not None:
         display.on_metrics(run, step, metrics)
 
 
 @hookimpl
 def distrun_on_fit_end(run):
-    display = run.extras.get(_KEY)
+    display = run.stash.get(_KEY)
     if display is not None:
         display.finish(run)
 
 
 @hookimpl
 def distrun_teardown(run):
-    display = run.extras.pop(_KEY, None)
+    display = run.stash.pop(_KEY, None)
     if display is not None:
         display.close()

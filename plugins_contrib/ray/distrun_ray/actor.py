@@ -12,7 +12,6 @@ import collections
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,9 +50,9 @@ class RankHost:
         """A port free on this node's address (rank 0 hosts torch's store on it)."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        from distrun.launch.ports import free_port
+
+        return free_port(ray.util.get_node_ip_address())
 
     def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
         """Start the worker with this node's Python; ``env`` is added to the actor's own."""

@@ -21,7 +21,9 @@ from typing import IO, Any
 
 from distrun import UsageError
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.launch.local import STOP_GRACE, TAIL_LINES, torchrun_env
+from distrun.launch.exits import exit_code
+from distrun.launch.local import STOP_GRACE, torchrun_env
+from distrun.launch.relay import Relay, new_tail, report_failure
 
 __all__ = ["launch_ray", "forwarded_env"]
 
@@ -47,7 +49,7 @@ class _Rank:
     local_world: int = 1
     node_rank: int = 0
     code: int | None = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    tail: collections.deque[str] = field(default_factory=new_tail)
     log: IO[str] | None = None
 
 
@@ -119,38 +121,9 @@ class _Stop:
         self.since = self.since or time.monotonic()
 
 
-def _print(r: _Rank, stream: str, line: str, tee: bool, seen: set[str]) -> None:
-    r.tail.append(line.rstrip("\n"))
-    if r.log is not None:
-        r.log.write(line)
-        r.log.flush()
-    if line.startswith("error: "):  # the same usage error from N ranks is said once
-        if line in seen:
-            return
-        seen.add(line)
-    dst = sys.stdout if stream == "out" else sys.stderr
-    dst.write(f"[rank{r.rank}]: {line}" if tee else line)
-    dst.flush()
-
-
-def _report(r: _Rank, code: int) -> None:
-    lines = [ln for ln in r.tail if ln.strip()]
-    if lines and lines[-1].startswith("error: "):
-        return  # a usage error was already said, in one line
-    print(f"distrun: rank {r.rank} (Ray node {r.ip}) failed with exit code {code}; "
-          "its last lines:", file=sys.stderr)
-    for ln in lines:
-        print(f"  [rank{r.rank}] {ln}", file=sys.stderr)
-    sys.stderr.flush()
-
-
-def _exit_code(code: int) -> int:
-    return code if code >= 0 else 128 - code
-
-
 def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | None:
     """Wait for every rank; the first failed one (the others are stopped), or None."""
-    seen: set[str] = set()
+    relay = Relay(tee=tee)
     forwarded = False
     while True:
         live = [r for r in ranks if r.code is None]
@@ -169,7 +142,7 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | 
                 lines, code = [("err", f"the Ray actor of rank {r.rank} was lost: "
                                        f"{type(exc).__name__}\n")], -int(signal.SIGKILL)
             for stream, line in lines:
-                _print(r, stream, line, tee, seen)
+                relay.emit(r, line, sys.stdout if stream == "out" else sys.stderr)
             r.code = code
         failed = [r for r in ranks if r.code not in (None, 0)]
         if failed and stop.signum is None:
@@ -230,10 +203,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             pg = None
             if failed is None:
                 return 0
-            code = _exit_code(failed.code)
+            code = exit_code(failed.code)
             if stop.signum is not None:
                 return code
-            _report(failed, code)
+            report_failure(failed, code, where=f"Ray node {failed.ip}")
             if attempt < restarts:
                 print(f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "
                       f"{restarts}), resuming from the newest checkpoint", file=sys.stderr,

@@ -11,20 +11,15 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from types import TracebackType
 
+from distrun.launch.ports import free_port
+
 __all__ = ["LocalRayCluster"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalRayCluster:
@@ -40,7 +35,7 @@ class LocalRayCluster:
         self.address = ""
 
     def start(self) -> str:
-        port = _free_port()
+        port = free_port()
         # Short path: Ray's unix socket paths must stay under ~107 characters.
         self.temp_dir = tempfile.mkdtemp(prefix="dray")
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -48,11 +43,11 @@ class LocalRayCluster:
                    "--node-ip-address", "127.0.0.1", "--port", str(port),
                    "--num-cpus", str(self.num_cpus), "--include-dashboard", "false",
                    "--disable-usage-stats", "--temp-dir", self.temp_dir,
-                   "--dashboard-agent-listen-port", str(_free_port()),
+                   "--dashboard-agent-listen-port", str(free_port()),
                    "--object-store-memory", str(100 * 1024 * 1024)]
         if importlib.util.find_spec("grpc") is not None:
             # Ray's client server (only with ray[client]) would take the fixed port 10001.
-            command += ["--ray-client-server-port", str(_free_port())]
+            command += ["--ray-client-server-port", str(free_port())]
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **self.env}
         env.pop("RAY_ADDRESS", None)
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")  # noqa: SIM115

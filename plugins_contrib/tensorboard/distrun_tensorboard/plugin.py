@@ -7,9 +7,11 @@ Every ``distrun_log_metrics`` call becomes scalars (``loss``, ``lr``, ``samples_
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from typing import Any
 
-_KEY = "tensorboard"
+from distrun import Option, StashKey, hookimpl
+
+_KEY: StashKey[Any] = StashKey("tensorboard")  # the SummaryWriter, rank 0 only
 
 
 @hookimpl
@@ -28,12 +30,12 @@ def distrun_on_fit_start(run):
         return
     from distrun_tensorboard.writer import open_writer
 
-    run.extras[_KEY] = open_writer(run)
+    run.stash[_KEY] = open_writer(run)
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
-    writer = run.extras.get(_KEY)
+    writer = run.stash.get(_KEY)
     if writer is not None:
         for name, value in metrics.items():
             if name != "step":
@@ -42,13 +44,13 @@ def distrun_log_metrics(run, step, metrics):
 
 @hookimpl
 def distrun_on_validation_end(run, step, metrics):
-    writer = run.extras.get(_KEY)
+    writer = run.stash.get(_KEY)
     if writer is not None:
         writer.flush()
 
 
 @hookimpl
 def distrun_teardown(run):
-    writer = run.extras.pop(_KEY, None)
+    writer = run.stash.pop(_KEY, None)
     if writer is not None:
         writer.close()

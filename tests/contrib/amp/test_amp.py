@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distrun.testing import run_cli, run_on_ranks
+from distrun_amp.plugin import AMP
 
 HERE = Path(__file__).resolve().parent
 
@@ -93,9 +94,9 @@ def _fit_fp16_cuda(rank: int, world: int, run_dir: str) -> dict:
     run = distrun.fit(task, precision="16-mixed", device="cuda", max_epochs=2, batch_size=32,
                       run_dir=run_dir, summary=False)
     state = run.state_dict()
-    scaler = run.extras["amp"].scaler
+    scaler = run.stash[AMP].scaler
     fresh = torch.amp.GradScaler("cuda")
-    run.extras["amp"].scaler = fresh
+    run.stash[AMP].scaler = fresh
     run.load_state_dict(state)
     return {"losses": task.losses, "inner": sorted(set(task.inner_dtypes)),
             "scale": float(scaler.get_scale()), "restored": float(fresh.get_scale()),

@@ -10,8 +10,8 @@ import pytest
 
 from distrun import UsageError
 from distrun.config.run_config import CONFIG_ENV, resolve_config, with_values
-from distrun.registry.manager import make_plugin_manager
 from distrun.registry.collect import collect_options
+from distrun.registry.manager import make_plugin_manager
 from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent

@@ -20,6 +20,7 @@ from torch import nn
 
 import distrun
 from distrun import hookimpl
+from distrun_rpc.keys import RPC_STRATEGY
 
 EPOCHS, BATCH, SEED = 2, 32, 0
 
@@ -118,7 +119,7 @@ class Recorder:
     def distrun_on_fit_end(self, run):
         from distrun_rpc import server
 
-        st = run.extras.get("rpc")
+        st = run.stash.get(RPC_STRATEGY)
         result = {
             "role": os.environ.get("ROLE_NAME"), "role_rank": os.environ.get("ROLE_RANK"),
             "world_size": run.world_size, "dp_world_size": run.strategy.dp_world_size,

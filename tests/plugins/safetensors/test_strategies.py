@@ -25,8 +25,8 @@ LOADS = {"single": ("1", ["--strategy", "single"]), "ddp2": ("2", ["--strategy",
 
 
 def _installed() -> set[str]:
-    from distrun.registry.manager import make_plugin_manager
     from distrun.registry.collect import collect_strategies
+    from distrun.registry.manager import make_plugin_manager
 
     return set(collect_strategies(make_plugin_manager()))
 
