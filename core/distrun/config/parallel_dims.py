@@ -9,7 +9,6 @@ place and its error says the numbers. The mesh dimension names are part of the c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from distrun.spec.errors import UsageError
 
@@ -79,45 +78,10 @@ class ParallelDims:
     def mesh_dim_names(self) -> tuple[str, ...]:
         return (*self.dp_dim_names, "tp")
 
-    def build_mesh(self, device_type: str, timeout: float | None = None) -> Any:
-        """``init_device_mesh`` of this layout (torch is imported here, not at module import).
-
-        The default process group must exist. Every dimension's group gets the collective
-        ``timeout`` in seconds (torch would give sub-groups its 30-minute default).
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        override = _timeout_override(self.mesh_dim_names, device_type, timeout)
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names,
-                                **({"backend_override": override} if override else {}))
-
     def __str__(self) -> str:
         hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" \
             if self.dp_replicate > 1 else ""
         return f"dp {self.dp}{hsdp} x tp {self.tp} = {self.world_size} ranks"
-
-
-def _timeout_override(names: tuple[str, ...], device_type: str,
-                      timeout: float | None) -> dict[str, Any] | None:
-    if timeout is None:
-        return None
-    import datetime
-
-    try:
-        if device_type == "cpu":
-            from torch._C._distributed_c10d import ProcessGroupGloo
-
-            backend, opts = "gloo", ProcessGroupGloo._Options()
-        elif device_type == "cuda":
-            from torch._C._distributed_c10d import ProcessGroupNCCL
-
-            backend, opts = "nccl", ProcessGroupNCCL.Options()
-        else:
-            return None
-        opts._timeout = datetime.timedelta(seconds=timeout)
-    except (ImportError, AttributeError):  # a torch without these options: its defaults
-        return None
-    return {name: (backend, opts) for name in names}
 
 
 def _divisors(n: int) -> str:

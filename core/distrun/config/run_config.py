@@ -138,11 +138,13 @@ def resolve_config(
     config_file: str | None = None,
     code: Mapping[str, Any] | None = None,
     inherited: Mapping[str, Any] | None = None,
+    inherited_sources: Mapping[str, str] | None = None,
 ) -> RunConfig:
     """Merge every source into a validated :class:`RunConfig`.
 
     ``flags`` are raw values the user typed (name -> str); ``inherited`` are values a launcher
-    already resolved (from ``DISTRUN_CONFIG``), which rank like flags.
+    already resolved (from ``DISTRUN_CONFIG``), which rank like flags and keep the sources the
+    launcher saw (``inherited_sources``).
     """
     opts = {o.name: o for o in options}
     environ = os.environ if environ is None else environ
@@ -169,6 +171,8 @@ def resolve_config(
                 continue
             opt = opts[name]
             label = opt.env_var if source == "env" else source
+            if source == "launcher" and inherited_sources:
+                label = inherited_sources.get(name, source)
             values[name] = coerce(opt, raw, label) if source != "launcher" else raw
             sources[name] = label
     core = {k: v for k, v in values.items() if k in _CORE_NAMES}

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
 
 from distrun.spec.markers import hookimpl
 
-__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "fill_code_values", "render_config",
+__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "render_config",
            "value_sources", "write_config"]
 
 CONFIG_FILE = "config.toml"
@@ -59,8 +58,8 @@ def config_options(config: Any) -> list[Any]:
 
 
 def render_config(config: Any, options: list[Any] | None = None, header: str = "") -> str:
-    """``config`` as TOML with each value's source (see :func:`distrun.cli.config_cmd.render_toml`)."""
-    from distrun.cli.config_cmd import render_toml
+    """``config`` as TOML with each value's source (see :func:`.toml_file.render_toml`)."""
+    from distrun.config.toml_file import render_toml
 
     options = config_options(config) if options is None else options
     return render_toml(options, config.as_dict(), value_sources(config), header=header)
@@ -73,12 +72,7 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
               f"Each value's source follows it; defaults are commented out. Load again "
               f"with `distrun run --config {path} ...`.")
-    text = render_config(config, options, header=header)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    _write_atomic(path, render_config(config, options, header=header))
 
 
 @hookimpl(wrapper=True)
@@ -94,27 +88,37 @@ def distrun_launch(config, command, environ):
     return (yield)
 
 
-def fill_code_values(config: Any, path: str) -> None:
-    """Mark in the launcher's ``config.toml`` the values the task gave in code.
-
-    The launcher cannot see ``Trainer(max_epochs=3)``; rank 0 rewrites those lines in place.
-    """
-    from distrun.cli.config_cmd import toml_value
-
-    code = {name for name, source in config.sources.items() if source == "code"}
-    if not code or not os.path.exists(path):
-        return
+def _header(path: str) -> str:
+    """The comment block that opens the file at ``path`` (the launcher's command and time)."""
+    lines = []
     with open(path) as fh:
-        lines = fh.read().splitlines()
-    for i, line in enumerate(lines):
-        match = re.match(r"^(?:# )?(\w+) = ", line)
-        literal = toml_value(config.get(match.group(1))) if match and match.group(1) in code \
-            else None
-        if literal is not None:
-            lines[i] = f"{match.group(1)} = {literal}  # code"
+        for line in fh:
+            if not line.startswith("#"):
+                break
+            lines.append(line[2:].rstrip("\n"))
+    return "\n".join(lines)
+
+
+def add_code_values(config: Any, path: str) -> None:
+    """Write the launcher's ``config.toml`` again with the values the task gave in code.
+
+    The launcher cannot see ``Trainer(max_epochs=3)``; rank 0 renders the whole file again
+    from its own config, which carries the launcher's sources, and keeps the launcher's header.
+    """
+    if "code" not in config.sources.values() or not os.path.exists(path):
+        return
+    from distrun.registry.collect import collect_options
+    from distrun.registry.manager import get_plugin_manager
+
+    text = render_config(config, collect_options(get_plugin_manager()), header=_header(path))
+    _write_atomic(path, text)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+        fh.write(text)
     os.replace(tmp, path)
 
 
@@ -126,6 +130,6 @@ def distrun_configure(config):
         return
     path = os.path.join(config.run_dir, CONFIG_FILE)
     if CONFIG_ENV in os.environ:  # launched: the launcher wrote it; add values set in code
-        fill_code_values(config, path)
+        add_code_values(config, path)
     else:  # `python train.py`: nobody else will write it
         write_config(config, path)

@@ -8,7 +8,7 @@ from typing import Any
 
 from distrun.spec.errors import UsageError
 
-__all__ = ["Option", "coerce"]
+__all__ = ["Option", "coerce", "plugin_options"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,24 @@ class Option:
     @property
     def env_var(self) -> str:
         return "DISTRUN_" + self.name.upper()
+
+
+def plugin_options(register: Callable[[Option], Any], plugin: str,
+                   **common: Any) -> Callable[..., Option]:
+    """``opt(name, type, default, help, **kw)``: declare one option of ``plugin`` and register it.
+
+    For ``distrun_register_options(register)``: ``opt = plugin_options(register, "ddp")``.
+    ``common`` applies to every option (``launcher_only=True``); ``kw`` of one call overrides it.
+    """
+
+    def opt(name: str, type: type = str, default: Any = None, help: str = "",
+            **kw: Any) -> Option:
+        option = Option(name=name, type=type, default=default, help=help, plugin=plugin,
+                        **{**common, **kw})
+        register(option)
+        return option
+
+    return opt
 
 
 _TRUE = {"1", "true", "yes", "on"}

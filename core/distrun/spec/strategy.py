@@ -17,15 +17,18 @@ if TYPE_CHECKING:
     from distrun.config.run_config import RunConfig
     from distrun.train.run import Run
 
-__all__ = ["Strategy", "StrategyInfo"]
+__all__ = ["LazyFactory", "Strategy", "StrategyInfo"]
 
 
 @dataclass(frozen=True)
 class StrategyInfo:
     """A strategy offered by a plugin through ``distrun_register_strategies``.
 
-    ``factory(config)`` builds the strategy inside a worker; it may import torch. ``multi_process``
-    says whether the strategy expects several processes (ddp) or exactly one (single, dp).
+    ``factory(config)`` builds the strategy inside a worker; it may import torch. Given as a
+    ``"module:Class"`` string it becomes a :class:`LazyFactory`: the plugin's entry point then
+    imports nothing, and the module is imported only where the strategy is built.
+    ``multi_process`` says whether the strategy expects several processes (ddp) or exactly one
+    (single, dp).
     """
 
     name: str
@@ -33,6 +36,37 @@ class StrategyInfo:
     help: str = ""
     plugin: str = "core"
     multi_process: bool = True
+
+    def __init__(self, name: str, factory: Callable[[RunConfig], Strategy] | str,
+                 help: str = "", plugin: str = "core", multi_process: bool = True) -> None:
+        # Written out (frozen, so through object.__setattr__) to accept the string form.
+        set_field = object.__setattr__
+        set_field(self, "name", name)
+        set_field(self, "factory", LazyFactory(factory) if isinstance(factory, str) else factory)
+        set_field(self, "help", help)
+        set_field(self, "plugin", plugin)
+        set_field(self, "multi_process", multi_process)
+
+
+@dataclass(frozen=True)
+class LazyFactory:
+    """A strategy factory named ``"module:Class"`` (or ``"module:function"``), imported on call."""
+
+    target: str
+
+    def __post_init__(self) -> None:
+        module, sep, attr = self.target.partition(":")
+        if not (module and sep and attr):
+            raise ValueError(f"a strategy factory string is 'module:Class', not {self.target!r}")
+
+    def __call__(self, config: RunConfig) -> Strategy:
+        import importlib
+
+        module, _, attr = self.target.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj(config)
 
 
 @runtime_checkable
@@ -46,6 +80,7 @@ class Strategy(Protocol):
     name: str
     device: torch.device
     rank: int
+    local_rank: int
     world_size: int
     #: ranks that see different data (the data cursor shards over these)
     dp_rank: int
@@ -67,6 +102,10 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm of ``model`` (across shards and stages); return it."""
+        ...
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
 

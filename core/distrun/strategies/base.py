@@ -18,6 +18,7 @@ from distrun.config.run_config import RunConfig
 from distrun.strategies.process_group import env_topology, init_process_group, select_device
 
 if TYPE_CHECKING:
+    from distrun.spec.strategy import Strategy
     from distrun.train.run import Run
 
 __all__ = ["BaseStrategy"]
@@ -26,10 +27,13 @@ _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
 
 
 class BaseStrategy:
-    """One process per rank, the model replicated as-is, gradients left alone."""
+    """One process per rank, the model replicated as-is, gradients left alone.
 
-    name = "base"
-    trains = True
+    Implements :class:`distrun.spec.strategy.Strategy`; ``tox -e lint`` type-checks that.
+    """
+
+    name: str = "base"
+    trains: bool = True
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -84,3 +88,8 @@ class BaseStrategy:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+if TYPE_CHECKING:
+    # The type checker proves the base (and so every subclass) satisfies the contract.
+    _contract: type[Strategy] = BaseStrategy

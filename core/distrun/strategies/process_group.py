@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
         )
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(

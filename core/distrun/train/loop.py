@@ -35,7 +35,7 @@ def setup_run(run: Run) -> None:
     run.strategy = info.factory(run.config)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
-    if not getattr(run.strategy, "trains", True):
+    if not run.strategy.trains:
         return  # a serving rank (RPC parameter server): nothing to build here
     seed_everything(run.config.seed)
     run.model = run.task.configure_model()
@@ -73,7 +73,7 @@ def build_loaders(run: Run) -> None:
     collate = getattr(run.task, "collate_fn", None)
     # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
     # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
-    common = dict(num_workers=cfg.num_workers, collate_fn=collate,
+    common: dict[str, Any] = dict(num_workers=cfg.num_workers, collate_fn=collate,
                   pin_memory=st.device.type == "cuda",
                   persistent_workers=cfg.num_workers > 0,
                   generator=torch.Generator().manual_seed(cfg.seed))
@@ -356,7 +356,7 @@ def rng_state() -> dict[str, Any]:
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        state["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
     except ImportError:  # pragma: no cover
         pass
     if torch.cuda.is_available():

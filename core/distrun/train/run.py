@@ -57,8 +57,9 @@ class Run:
         self.pm = pm
         self.hook = pm.hook
         self.strategy: Strategy = None  # type: ignore[assignment]
-        self.model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        # set during setup (strategy first), before any loop hook sees the run
+        self.model: torch.nn.Module = None  # type: ignore[assignment]
+        self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.lr_scheduler: Any = None
         self.train_loader: Any = None
         self.val_loader: Any = None

@@ -24,10 +24,12 @@ _STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
     """The config of this worker: the launcher's values (``DISTRUN_CONFIG``), env, code."""
-    inherited = None
+    inherited, sources = None, None
     if os.environ.get(CONFIG_ENV):
-        inherited = json.loads(os.environ[CONFIG_ENV])["values"]
-    config = resolve_config(collect_options(pm), code=code, inherited=inherited)
+        payload = json.loads(os.environ[CONFIG_ENV])
+        inherited, sources = payload["values"], payload.get("sources")
+    config = resolve_config(collect_options(pm), code=code, inherited=inherited,
+                            inherited_sources=sources)
     if not config.run_dir:
         from distrun.config.run_config import with_values
 
@@ -101,7 +103,7 @@ class Trainer:
         from distrun.train.loop import setup_run
 
         setup_run(run)
-        if not getattr(run.strategy, "trains", True):
+        if not run.strategy.trains:
             return  # this rank served the trainers during strategy.setup and is done
         if run.config.resume != "never":
             run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from distrun import Option, StrategyInfo, hookimpl
-
-if TYPE_CHECKING:
-    from distrun.config.run_config import RunConfig
+from distrun import StrategyInfo, hookimpl
+from distrun.spec.options import plugin_options
 
 #: communication hooks ``--ddp-comm-hook`` accepts
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
-def _make_ddp(config: RunConfig) -> Any:
-    from distrun_ddp.strategy import DDPStrategy
-
-    return DDPStrategy(config)
-
-
 @hookimpl
 def distrun_register_options(register):
-    def opt(name: str, typ: type, default: Any, help: str, **kw: Any) -> None:
-        register(Option(name=name, type=typ, default=default, help=help, plugin="ddp", **kw))
-
+    opt = plugin_options(register, "ddp")
     opt("ddp_bucket_mb", float, 25.0, "DDP gradient bucket size in MiB", min=0.001)
     opt("ddp_find_unused_parameters", bool, False,
         "let DDP tolerate parameters that get no gradient in a step (costs a graph walk)")
@@ -42,6 +30,6 @@ def distrun_register_options(register):
 @hookimpl
 def distrun_register_strategies(register):
     register(StrategyInfo(
-        "ddp", _make_ddp, plugin="ddp",
+        "ddp", "distrun_ddp.strategy:DDPStrategy", plugin="ddp",
         help="DistributedDataParallel: one process per device, gradients all-reduced",
     ))

@@ -6,7 +6,8 @@ The launch hook answers only when the config asks for elasticity (see
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from distrun import hookimpl
+from distrun.spec.options import plugin_options
 
 PLUGIN = "elastic"
 
@@ -14,37 +15,21 @@ PLUGIN = "elastic"
 @hookimpl
 def distrun_register_options(register):
     # Names mirror torchrun's flags (no plugin prefix); torchrun's spellings are aliases.
-    register(Option(
-        name="max_restarts", type=int, default=0, min=0, aliases=("--max_restarts",),
-        help="restart all workers up to N times after a failure, from the latest checkpoint",
-        plugin=PLUGIN, launcher_only=True,
-    ))
-    register(Option(
-        name="rdzv_backend", type=str, default="c10d", aliases=("--rdzv_backend",),
-        choices=("c10d", "static", "etcd", "etcd-v2"),
-        help="torch rendezvous backend", plugin=PLUGIN, launcher_only=True,
-    ))
-    register(Option(
-        name="rdzv_endpoint", type=str, default="", aliases=("--rdzv_endpoint",),
-        metavar="HOST:PORT", plugin=PLUGIN, launcher_only=True,
-        help="rendezvous address, the same on every node (default: 127.0.0.1 and a free port "
-             "on one node)",
-    ))
-    register(Option(
-        name="rdzv_id", type=str, default="", aliases=("--rdzv_id",), metavar="ID",
-        help="rendezvous id shared by the nodes of one job (also names the run)",
-        plugin=PLUGIN, launcher_only=True,
-    ))
-    register(Option(
-        name="rdzv_conf", type=str, default="", aliases=("--rdzv_conf",), metavar="K=V,...",
-        help="extra rendezvous settings, e.g. last_call_timeout=5,join_timeout=600",
-        plugin=PLUGIN, launcher_only=True,
-    ))
-    register(Option(
-        name="monitor_interval", type=float, default=0.1, min=0.01,
-        aliases=("--monitor_interval",), metavar="SECONDS", plugin=PLUGIN, launcher_only=True,
-        help="how often the agent checks on the workers",
-    ))
+    opt = plugin_options(register, PLUGIN, launcher_only=True)
+    opt("max_restarts", int, 0,
+        "restart all workers up to N times after a failure, from the latest checkpoint",
+        min=0, aliases=("--max_restarts",))
+    opt("rdzv_backend", str, "c10d", "torch rendezvous backend",
+        choices=("c10d", "static", "etcd", "etcd-v2"), aliases=("--rdzv_backend",))
+    opt("rdzv_endpoint", str, "", "rendezvous address, the same on every node (default: "
+        "127.0.0.1 and a free port on one node)", metavar="HOST:PORT",
+        aliases=("--rdzv_endpoint",))
+    opt("rdzv_id", str, "", "rendezvous id shared by the nodes of one job (also names the run)",
+        metavar="ID", aliases=("--rdzv_id",))
+    opt("rdzv_conf", str, "", "extra rendezvous settings, e.g. last_call_timeout=5,"
+        "join_timeout=600", metavar="K=V,...", aliases=("--rdzv_conf",))
+    opt("monitor_interval", float, 0.1, "how often the agent checks on the workers", min=0.01,
+        metavar="SECONDS", aliases=("--monitor_interval",))
 
 
 @hookimpl(tryfirst=True)

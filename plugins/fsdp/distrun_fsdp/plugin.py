@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from distrun import Option, StrategyInfo, hookimpl
-
-if TYPE_CHECKING:
-    from distrun.config.run_config import RunConfig
-    from distrun.spec.strategy import Strategy
+from distrun import StrategyInfo, hookimpl
+from distrun.spec.options import plugin_options
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
-
-
-def _make_fsdp(config: RunConfig) -> Strategy:
-    from distrun_fsdp.strategy import FSDPStrategy
-
-    return FSDPStrategy(config)
 
 
 @hookimpl
 def distrun_register_strategies(register):
     register(StrategyInfo(
-        "fsdp", _make_fsdp, plugin="fsdp",
+        "fsdp", "distrun_fsdp.strategy:FSDPStrategy", plugin="fsdp",
         help="FSDP2 fully_shard: parameters, gradients and optimizer state sharded over ranks",
     ))
 
 
 @hookimpl
 def distrun_register_options(register):
-    def opt(name: str, type_: type, default: object, help_: str, **kw: object) -> None:
-        register(Option(name=name, type=type_, default=default, help=help_, plugin="fsdp", **kw))
-
+    opt = plugin_options(register, "fsdp")
     opt("fsdp_reshard_after_forward", bool, True,
         "free gathered parameters after forward and gather again in backward (less memory)")
     opt("fsdp_wrap", str, "",

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from distrun.config.parallel_dims import ParallelDims
+from distrun.strategies.mesh import build_mesh
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
 from distrun.strategies.process_group import init_single_process_group
@@ -42,7 +43,7 @@ class FSDPStrategy(BaseStrategy):
         tp = int(self.config.get("tp_size", 1) or 1)
         self.dims = ParallelDims.from_world(self.world_size, tp=tp,
                                             dp_replicate=self.config.fsdp_replicate_degree)
-        self.mesh: DeviceMesh = self.dims.build_mesh(self.device.type, self.config.timeout)
+        self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or ()))
         self.dp_rank = coord.get("dp", 0) if self.dims.dp_replicate == 1 else \
             coord["dp_replicate"] * self.dims.dp_shard + coord["dp_shard"]

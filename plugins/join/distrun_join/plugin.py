@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from distrun import Option, hookimpl
+from distrun import hookimpl
+from distrun.spec.options import plugin_options
 
 #: ``--join-mode`` values; see README.md for what each does with the surplus batches
 MODES = ("auto", "join", "agree", "off")
@@ -12,9 +11,7 @@ MODES = ("auto", "join", "agree", "off")
 
 @hookimpl
 def distrun_register_options(register):
-    def opt(name: str, typ: type, default: Any, help: str, **kw: Any) -> None:
-        register(Option(name=name, type=typ, default=default, help=help, plugin="join", **kw))
-
+    opt = plugin_options(register, "join")
     opt("join_mode", str, "auto",
         "uneven inputs: 'join' wraps each epoch in torch's Join (DDP, ZeRO), 'agree' trains "
         "every rank for the smallest rank's batch count, 'auto' picks join when the model or "

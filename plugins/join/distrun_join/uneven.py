@@ -31,6 +31,7 @@ from distrun.config.run_config import with_values
 from distrun.spec.keys import JOINABLES
 from distrun.spec.stash import StashKey
 from distrun.train.run import Run
+from distrun.train.tensors import to_cpu
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 
@@ -134,7 +135,7 @@ def _resync(run: Run, found: list[Any]) -> None:
     states: list[Any] = [None, None]
     if run.rank == last:
         optim_sd = None if run.optimizer in found or run.optimizer is None \
-            else _to_cpu(run.optimizer.state_dict())
+            else to_cpu(run.optimizer.state_dict())
         sched = run.lr_scheduler
         sched_sd = sched.state_dict() if sched is not None and hasattr(sched, "state_dict") \
             else None
@@ -145,16 +146,6 @@ def _resync(run: Run, found: list[Any]) -> None:
             run.optimizer.load_state_dict(states[0])
         if states[1] is not None:
             run.lr_scheduler.load_state_dict(states[1])
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
 
 
 class WholeGroups:

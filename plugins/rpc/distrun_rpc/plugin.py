@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import Option, StrategyInfo, hookimpl
+from distrun import StrategyInfo, hookimpl
+from distrun.spec.options import plugin_options
 from distrun_rpc.keys import RPC_STRATEGY
 
 PLUGIN = "rpc"
-
-
-def _make_rpc(config: Any) -> Any:
-    from distrun_rpc.strategy import RpcStrategy
-
-    return RpcStrategy(config)
 
 
 def _strategy(run: Any) -> Any:
@@ -24,22 +19,18 @@ def _strategy(run: Any) -> Any:
 
 @hookimpl
 def distrun_register_options(register):
-    register(Option(name="rpc_servers", type=int, default=1, min=1, plugin=PLUGIN,
-                    help="parameter-server ranks (the last ones); the others train"))
-    register(Option(name="rpc_mode", type=str, default="sync", choices=("sync", "async"),
-                    plugin=PLUGIN,
-                    help="sync: distributed autograd + DistributedOptimizer; "
-                         "async: trainers push gradients, servers batch updates"))
-    register(Option(name="rpc_update_batch", type=int, default=0, min=0, plugin=PLUGIN,
-                    help="async: pushed gradients averaged per server update "
-                         "(0: the number of trainers)"))
-    register(Option(name="rpc_timeout", type=float, default=60.0, min=1, plugin=PLUGIN,
-                    help="seconds an RPC may take before the run fails"))
+    opt = plugin_options(register, PLUGIN)
+    opt("rpc_servers", int, 1, "parameter-server ranks (the last ones); the others train", min=1)
+    opt("rpc_mode", str, "sync", "sync: distributed autograd + DistributedOptimizer; "
+        "async: trainers push gradients, servers batch updates", choices=("sync", "async"))
+    opt("rpc_update_batch", int, 0, "async: pushed gradients averaged per server update "
+        "(0: the number of trainers)", min=0)
+    opt("rpc_timeout", float, 60.0, "seconds an RPC may take before the run fails", min=1)
 
 
 @hookimpl
 def distrun_register_strategies(register):
-    register(StrategyInfo(PLUGIN, _make_rpc, plugin=PLUGIN,
+    register(StrategyInfo(PLUGIN, "distrun_rpc.strategy:RpcStrategy", plugin=PLUGIN,
                           help="parameter servers + trainers over torch RPC (sync, async, "
                                "RPC + DDP)"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import ExitStack
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from distrun_safetensors.files import (
     DTYPE_SIZES,
     CheckpointError,
-    FileReader,
+    FileReaders,
     fsync_dir,
     write_json,
     write_safetensors,
@@ -53,15 +53,7 @@ def consolidate(folder: str, out: str, max_shard_bytes: int) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     weight_map: dict[str, str] = {}
-    with ExitStack() as stack:
-        handles: dict[str, FileReader] = {}
-        stack.callback(lambda: [h.close() for h in handles.values()])
-
-        def open_file(name: str) -> FileReader:
-            if name not in handles:
-                handles[name] = FileReader(ckpt.path(name))
-            return handles[name]
-
+    with closing(FileReaders(ckpt.path)) as open_file:
         def assemble(name: str) -> Any:
             def get() -> memoryview:
                 info = ckpt.model[name]

@@ -282,3 +282,23 @@ class FileReader:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class FileReaders:
+    """``readers(name)``: the :class:`FileReader` of file ``name``, opened on first use.
+
+    ``path_of(name)`` is the file's path; :meth:`close` closes every reader opened.
+    """
+
+    def __init__(self, path_of: Callable[[str], str]) -> None:
+        self.path_of = path_of
+        self.opened: dict[str, FileReader] = {}
+
+    def __call__(self, name: str) -> FileReader:
+        if name not in self.opened:
+            self.opened[name] = FileReader(self.path_of(name))
+        return self.opened[name]
+
+    def close(self) -> None:
+        for reader in self.opened.values():
+            reader.close()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Any
 
 import torch
 
 from distrun_safetensors import comm
-from distrun_safetensors.files import CheckpointError, FileReader
+from distrun_safetensors.files import CheckpointError, FileReaders
 from distrun_safetensors.manifest import (
     Checkpoint,
     candidates,
@@ -167,14 +167,7 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
     if problem:
         raise CheckpointError(problem)
     with ExitStack() as stack:
-        handles: dict[str, FileReader] = {}
-        stack.callback(lambda: [h.close() for h in handles.values()])
-
-        def open_file(name: str) -> FileReader:
-            if name not in handles:
-                handles[name] = FileReader(ckpt.path(name))
-            return handles[name]
-
+        open_file = stack.enter_context(closing(FileReaders(ckpt.path)))
         try:
             _load_model(ckpt, model, open_file)
             if optimizer is not None and ckpt.optimizer is not None:
@@ -184,7 +177,7 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
             raise
         except Exception as exc:
             raise CheckpointError(f"{ckpt.folder}: reading failed ({exc})") from exc
-        read = sum(h.bytes_read for h in handles.values())
+        read = sum(h.bytes_read for h in open_file.opened.values())
     return LoadResult(ckpt.folder, ckpt.step, state, read)
 
 

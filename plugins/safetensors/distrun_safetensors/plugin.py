@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distrun import Option, StashKey, hookimpl
+from distrun import StashKey, hookimpl
+from distrun.spec.options import plugin_options
 
 PLUGIN = "safetensors"
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
@@ -14,9 +15,7 @@ _LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic sec
 
 @hookimpl
 def distrun_register_options(register):
-    def opt(name: str, type: type, default: Any, help: str, **kw: Any) -> None:
-        register(Option(name=name, type=type, default=default, help=help, plugin=PLUGIN, **kw))
-
+    opt = plugin_options(register, PLUGIN)
     opt("ckpt_dir", str, "", "checkpoint folder (default: RUN_DIR/checkpoints)")
     opt("ckpt_every_n_steps", int, 0, "save a checkpoint every N optimizer steps (0: off)", min=0)
     opt("ckpt_every_n_seconds", float, 0.0,

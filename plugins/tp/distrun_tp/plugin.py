@@ -7,38 +7,27 @@ the model is parallelized over the mesh's ``"tp"`` dimension first, then sharded
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distrun import Option, StashKey, StrategyInfo, UsageError, hookimpl
+from distrun import StashKey, StrategyInfo, UsageError, hookimpl
 from distrun.spec.keys import DEVICE_MESH
-
-if TYPE_CHECKING:
-    from distrun.config.run_config import RunConfig
-    from distrun.spec.strategy import Strategy
+from distrun.spec.options import plugin_options
 
 #: set once the model was parallelized over the mesh's "tp" dimension
 _APPLIED: StashKey[bool] = StashKey("tp.applied")
 
 
-def _make_tp(config: RunConfig) -> Strategy:
-    from distrun_tp.strategy import TPStrategy
-
-    return TPStrategy(config)
-
-
 @hookimpl
 def distrun_register_strategies(register):
     register(StrategyInfo(
-        "tp", _make_tp, plugin="tp",
+        "tp", "distrun_tp.strategy:TPStrategy", plugin="tp",
         help="tensor parallel: layers split over ranks with parallelize_module (same data)",
     ))
 
 
 @hookimpl
 def distrun_register_options(register):
-    def opt(name: str, type_: type, default: object, help_: str, **kw: object) -> None:
-        register(Option(name=name, type=type_, default=default, help=help_, plugin="tp", **kw))
-
+    opt = plugin_options(register, "tp")
     opt("tp_size", int, 0, "tensor-parallel degree (0: every rank under --strategy tp, else 1); "
         "with --strategy fsdp, a dp x tp mesh", min=0)
     opt("tp_sequence_parallel", bool, False,

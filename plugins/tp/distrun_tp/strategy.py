@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from distrun import UsageError
 from distrun.config.parallel_dims import ParallelDims
+from distrun.strategies.mesh import build_mesh
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
 from distrun.strategies.process_group import init_single_process_group
@@ -43,7 +44,7 @@ class TPStrategy(BaseStrategy):
                 f"parallel x {tp}-way tensor parallel)"
             )
         self.dims = ParallelDims.from_world(self.world_size, tp=tp)
-        self.mesh: DeviceMesh = self.dims.build_mesh(self.device.type, self.config.timeout)
+        self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)
         self.dp_rank, self.dp_world_size = 0, 1
         run.stash[DEVICE_MESH] = self.mesh
         run.stash[PARALLEL_DIMS] = self.dims

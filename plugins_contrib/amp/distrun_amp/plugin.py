@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun import Option, StashKey, hookimpl
+from distrun import StashKey, hookimpl
+from distrun.spec.options import plugin_options
 
 if TYPE_CHECKING:
     from distrun_amp.precision import MixedPrecision
@@ -22,10 +23,9 @@ STATE_NAME = "amp_scaler"
 
 @hookimpl
 def distrun_register_options(register):
-    register(Option("precision", str, "32-true", choices=("32-true", "bf16-mixed", "16-mixed"),
-                    plugin="amp",
-                    help="numeric precision: 32-true, bf16-mixed (autocast), 16-mixed "
-                         "(autocast + GradScaler, CUDA)"))
+    opt = plugin_options(register, "amp")
+    opt("precision", str, "32-true", "numeric precision: 32-true, bf16-mixed (autocast), "
+        "16-mixed (autocast + GradScaler, CUDA)", choices=("32-true", "bf16-mixed", "16-mixed"))
 
 
 @hookimpl

@@ -12,8 +12,9 @@ import os
 import sys
 from typing import Any
 
-from distrun import Option, StashKey, hookimpl
+from distrun import StashKey, hookimpl
 from distrun.spec.keys import CONSOLE_OWNER
+from distrun.spec.options import plugin_options
 
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on
 TTY_ENV = "DISTRUN_PROGRESS_TTY"
@@ -22,13 +23,13 @@ _KEY: StashKey[Any] = StashKey("progress")  # the display
 
 @hookimpl
 def distrun_register_options(register):
-    register(Option("progress", bool, True, plugin="progress",
-                    help="show progress on rank 0: a bar on a terminal, plain lines otherwise"))
-    register(Option("progress_mode", str, "auto", choices=("auto", "bar", "lines"),
-                    plugin="progress",
-                    help="'auto': a bar when stdout is a terminal, else lines"))
-    register(Option("progress_interval", float, 10.0, min=0, plugin="progress",
-                    help="seconds between plain progress lines (lines mode)"))
+    opt = plugin_options(register, "progress")
+    opt("progress", bool, True,
+        "show progress on rank 0: a bar on a terminal, plain lines otherwise")
+    opt("progress_mode", str, "auto", "'auto': a bar when stdout is a terminal, else lines",
+        choices=("auto", "bar", "lines"))
+    opt("progress_interval", float, 10.0, "seconds between plain progress lines (lines mode)",
+        min=0)
 
 
 @hookimpl(wrapper=True)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from distrun import hookimpl
+from distrun.spec.options import plugin_options
 
 PLUGIN = "ray"
 
 
 @hookimpl
 def distrun_register_options(register):
-    def opt(name, type, default, help, **kw):
-        register(Option(name=name, type=type, default=default, help=help, plugin=PLUGIN,
-                        launcher_only=True, **kw))
-
+    opt = plugin_options(register, PLUGIN, launcher_only=True)
     opt("launcher", str, "local", "who starts the workers: this node ('local') or a Ray "
         "cluster ('ray')", choices=("local", "ray"))
     opt("ray_address", str, "", "Ray cluster to use, HOST:PORT (default: $RAY_ADDRESS, else a "

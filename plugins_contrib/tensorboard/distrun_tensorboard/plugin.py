@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import Option, StashKey, hookimpl
+from distrun import StashKey, hookimpl
+from distrun.spec.options import plugin_options
 
 _KEY: StashKey[Any] = StashKey("tensorboard")  # the SummaryWriter, rank 0 only
 
 
 @hookimpl
 def distrun_register_options(register):
-    register(Option("tensorboard", bool, True, plugin="tensorboard",
-                    help="write TensorBoard event files on rank 0"))
-    register(Option("tensorboard_dir", str, "", plugin="tensorboard",
-                    help="event file folder (default: RUN_DIR/tensorboard)"))
-    register(Option("tensorboard_flush_secs", float, 30.0, min=0, plugin="tensorboard",
-                    help="seconds between flushes of the event file"))
+    opt = plugin_options(register, "tensorboard")
+    opt("tensorboard", bool, True, "write TensorBoard event files on rank 0")
+    opt("tensorboard_dir", str, "", "event file folder (default: RUN_DIR/tensorboard)")
+    opt("tensorboard_flush_secs", float, 30.0, "seconds between flushes of the event file", min=0)
 
 
 @hookimpl

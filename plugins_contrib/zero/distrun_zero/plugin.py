@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from distrun import Option, hookimpl
+from distrun import hookimpl
+from distrun.spec.options import plugin_options
 
 
 @hookimpl
 def distrun_register_options(register):
-    register(Option(name="zero", type=bool, default=False, plugin="zero",
-                    help="shard the optimizer state across data-parallel ranks "
-                         "(ZeroRedundancyOptimizer; needs --strategy ddp)"))
-    register(Option(name="zero_bucket_view", type=bool, default=False, plugin="zero",
-                    help="ZeRO: pack parameters into contiguous buckets per rank "
-                         "(faster broadcasts, one extra copy of the parameters)"))
+    opt = plugin_options(register, "zero")
+    opt("zero", bool, False, "shard the optimizer state across data-parallel ranks "
+        "(ZeroRedundancyOptimizer; needs --strategy ddp)")
+    opt("zero_bucket_view", bool, False, "ZeRO: pack parameters into contiguous buckets per "
+        "rank (faster broadcasts, one extra copy of the parameters)")
 
 
 @hookimpl(trylast=True)

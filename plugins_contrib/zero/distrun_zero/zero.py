@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrun import UsageError
 from distrun.train.run import Run
+from distrun.train.tensors import to_cpu
 
 __all__ = ["ZeroOptimizer", "check_layout", "layout", "shard_optimizer", "state_bytes"]
 
@@ -31,7 +32,7 @@ class ZeroOptimizer(ZeroRedundancyOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in ``torch.optim`` format; every rank must call it."""
         self.consolidate_state_dict(to=0)
-        full = [_to_cpu(super().state_dict()) if self.rank == 0 else None]
+        full = [to_cpu(super().state_dict()) if self.rank == 0 else None]
         self._all_state_dicts = []  # the consolidated copy is not kept between checkpoints
         dist.broadcast_object_list(full, src=dist.get_global_rank(self.process_group, 0),
                                    group=self.process_group)
@@ -96,13 +97,3 @@ def check_layout(run: Run, saved: dict[str, Any]) -> None:
     if saved.get("sharded") and int(saved.get("world_size", world)) != world:
         log.info("zero: optimizer state saved over %s ranks, resharded over %d",
                  saved.get("world_size"), world)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    return value
