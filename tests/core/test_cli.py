@@ -1,4 +1,7 @@
-"""The distrun command as a user types it: help, version, plugins, strategies, env."""
+"""The distrun command as a user types it: help, version, plugins, strategies, env.
+
+In-process (the `cli` fixture, click's CliRunner), except the torch-free check, which needs a
+fresh interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import sys
 import pytest
 
 from distrun import __version__
-from distrun.testing import run_cli
 
 NO_TORCH = """
 import sys
@@ -31,35 +33,35 @@ def test_cli_does_not_import_torch(args):
     assert proc.stderr.strip().splitlines()[-1] == "TORCH_FREE", proc.stderr
 
 
-def test_version():
-    result = run_cli("--version")
+def test_version(cli):
+    result = cli("--version")
     assert result.returncode == 0
     assert __version__ in result.stdout
 
 
-def test_plugins_lists_builtins_with_hooks():
-    result = run_cli("plugins")
+def test_plugins_lists_builtins_with_hooks(cli):
+    result = cli("plugins")
     assert result.returncode == 0, result
     assert f"core {__version__} (built-in)" in result.stdout
     assert "    distrun_run_fit" in result.stdout
 
 
-def test_plugins_json():
-    result = run_cli("plugins", "--json")
+def test_plugins_json(cli):
+    result = cli("plugins", "--json")
     data = {p["name"]: p for p in json.loads(result.stdout)}
     assert data["single"]["hooks"] == ["distrun_register_strategies"]
     assert data["core"]["builtin"] is True
 
 
-def test_strategies_lists_single():
-    result = run_cli("strategies")
+def test_strategies_lists_single(cli):
+    result = cli("strategies")
     assert result.returncode == 0
     assert result.stdout.splitlines()[0].split()[0] in {"single", "ddp", "dp", "fsdp", "rpc"}
     assert any(line.startswith("single ") for line in result.stdout.splitlines())
 
 
-def test_env_report_for_bug_reports():
-    result = run_cli("env")
+def test_env_report_for_bug_reports(cli):
+    result = cli("env")
     assert result.returncode == 0, result
     out = result.stdout
     assert f"- Python version: {sys.version.split()[0]}" in out
@@ -70,8 +72,8 @@ def test_env_report_for_bug_reports():
     assert "- Plugins:" in out and "core" in out
 
 
-def test_run_help_lists_core_and_torchrun_flags():
-    result = run_cli("run", "--help")
+def test_run_help_lists_core_and_torchrun_flags(cli):
+    result = cli("run", "--help")
     assert result.returncode == 0
     for flag in ("--nproc-per-node", "--nproc_per_node", "--master-port", "--strategy",
                  "--config", "--tee", "--max-epochs", "--batch-size"):

@@ -1,4 +1,7 @@
-"""User mistakes: exit 2, one line saying what is wrong and how to fix it, no traceback."""
+"""User mistakes: exit 2, one line saying what is wrong and how to fix it, no traceback.
+
+Launcher-side mistakes run in-process (the `cli` fixture); `--debug` (the interpreter prints the
+traceback) and a worker-side error keep a real `distrun` subprocess."""
 
 from __future__ import annotations
 
@@ -18,45 +21,45 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
-def test_unknown_strategy_suggests_and_says_how_to_install(tiny_script):
+def test_unknown_strategy_suggests_and_says_how_to_install(cli, tiny_script):
     # Block ddp in case it is installed, so the install hint shows as it would without it.
-    line = one_line_error(run_cli("-p", "no:ddp", "run", "--strategy", "ddpp", tiny_script))
+    line = one_line_error(cli("-p", "no:ddp", "run", "--strategy", "ddpp", tiny_script))
     assert "unknown strategy 'ddpp'; did you mean 'ddp'?" in line
     assert "Installed: " in line and "single" in line
     assert line.endswith("Install it with: pip install distrun-ddp")
 
 
-def test_unknown_strategy_without_close_name(tiny_script):
-    line = one_line_error(run_cli("run", "--strategy", "zzz", tiny_script))
+def test_unknown_strategy_without_close_name(cli, tiny_script):
+    line = one_line_error(cli("run", "--strategy", "zzz", tiny_script))
     assert "unknown strategy 'zzz' Installed:" in line
 
 
-def test_missing_script():
-    line = one_line_error(run_cli("run", "no_such_script.py"))
+def test_missing_script(cli):
+    line = one_line_error(cli("run", "no_such_script.py"))
     assert line == "error: script not found: no_such_script.py (check the path)"
 
 
-def test_missing_task_file():
-    line = one_line_error(run_cli("run", "nope.py:Task"))
+def test_missing_task_file(cli):
+    line = one_line_error(cli("run", "nope.py:Task"))
     assert "task file not found: nope.py" in line
 
 
-def test_bad_toml(tmp_path, tiny_script):
+def test_bad_toml(cli, tmp_path, tiny_script):
     bad = tmp_path / "run.toml"
     bad.write_text("max_epochs = = 3\n")
-    line = one_line_error(run_cli("run", "--config", str(bad), tiny_script))
+    line = one_line_error(cli("run", "--config", str(bad), tiny_script))
     assert f"config file {bad} is not valid TOML" in line
 
 
-def test_unknown_config_key_names_key_and_file(tmp_path, tiny_script):
+def test_unknown_config_key_names_key_and_file(cli, tmp_path, tiny_script):
     cfg = tmp_path / "run.toml"
     cfg.write_text("max_epoch = 3\n")
-    line = one_line_error(run_cli("run", "--config", str(cfg), tiny_script))
+    line = one_line_error(cli("run", "--config", str(cfg), tiny_script))
     assert f"unknown key 'max_epoch' in {cfg}; did you mean 'max_epochs'?" in line
 
 
-def test_missing_config_file(tiny_script):
-    line = one_line_error(run_cli("run", "--config", "nope.toml", tiny_script))
+def test_missing_config_file(cli, tiny_script):
+    line = one_line_error(cli("run", "--config", "nope.toml", tiny_script))
     assert "config file not found: nope.toml" in line
 
 
@@ -68,34 +71,34 @@ def test_missing_config_file(tiny_script):
     (["--nproc-per-node", "0"], "invalid value for --nproc-per-node"),
     (["--nnodes", "2", "--node-rank", "5"], "--node-rank 5 is out of range for --nnodes 2"),
 ])
-def test_invalid_numbers_and_choices(tiny_script, flags, expected):
-    line = one_line_error(run_cli("run", *flags, tiny_script))
+def test_invalid_numbers_and_choices(cli, tiny_script, flags, expected):
+    line = one_line_error(cli("run", *flags, tiny_script))
     assert expected in line
 
 
-def test_invalid_env_value_names_the_variable(tiny_script):
-    line = one_line_error(run_cli("run", tiny_script, env={"DISTRUN_MAX_EPOCHS": "two"}))
+def test_invalid_env_value_names_the_variable(cli, tiny_script):
+    line = one_line_error(cli("run", tiny_script, env={"DISTRUN_MAX_EPOCHS": "two"}))
     assert "'max_epochs' in DISTRUN_MAX_EPOCHS" in line
 
 
-def test_unknown_flag_of_a_plugin_says_which_plugin(tiny_script):
-    line = one_line_error(run_cli("-p", "no:elastic", "run", "--max-restarts", "3", tiny_script))
+def test_unknown_flag_of_a_plugin_says_which_plugin(cli, tiny_script):
+    line = one_line_error(cli("-p", "no:elastic", "run", "--max-restarts", "3", tiny_script))
     assert "--max-restarts comes with distrun-elastic: pip install distrun-elastic" in line
 
 
-def test_port_in_use(tiny_script):
+def test_port_in_use(cli, tiny_script):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        line = one_line_error(run_cli("run", "--master-port", str(port), tiny_script))
+        line = one_line_error(cli("run", "--master-port", str(port), tiny_script))
     assert f"port {port} on 127.0.0.1 is in use" in line
     assert "--master-port" in line
 
 
-def test_single_strategy_on_two_processes(tiny_script):
-    line = one_line_error(run_cli("run", "--nproc-per-node", "2", "--strategy", "single",
-                                  tiny_script))
+def test_single_strategy_on_two_processes(cli, tiny_script):
+    line = one_line_error(cli("run", "--nproc-per-node", "2", "--strategy", "single",
+                              tiny_script))
     assert "strategy 'single' runs in one process but 2 were asked for" in line
 
 

@@ -117,11 +117,14 @@ def test_autoload_can_be_turned_off(installed_plugin):
     assert "core" in result.stdout
 
 
-def test_misspelled_hook_is_an_error_naming_the_plugin(tmp_path):
+def test_misspelled_hook_is_an_error_naming_the_plugin(cli, tmp_path, monkeypatch):
     (tmp_path / "typo_plugin.py").write_text(
         "from distrun import hookimpl\n\n@hookimpl\ndef distrun_on_fit_strat(run):\n    pass\n")
-    result = run_cli("plugins", env={"PYTHONPATH": str(tmp_path),
-                                     "DISTRUN_PLUGINS": "typo_plugin"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        result = cli("plugins", env={"DISTRUN_PLUGINS": "typo_plugin"})
+    finally:
+        sys.modules.pop("typo_plugin", None)  # in-process: leave no module behind
     assert result.returncode == 2, result
     assert "plugin 'typo_plugin' implements a hook distrun does not have" in result.stderr
     assert "distrun_on_fit_strat" in result.stderr

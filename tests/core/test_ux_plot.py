@@ -33,8 +33,8 @@ def test_plot_of_a_real_run(tmp_path, tiny_script):
     assert (tmp_path / "runs" / "p" / "metrics.png").stat().st_size > 20_000
 
 
-def test_plot_without_metrics_is_a_usage_error(tmp_path):
+def test_plot_without_metrics_is_a_usage_error(cli, tmp_path):
     (tmp_path / "empty").mkdir()
-    result = run_cli("plot", "empty", cwd=tmp_path)
+    result = cli("plot", "empty", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: no metrics file at empty/metrics.csv")

@@ -70,9 +70,9 @@ def test_config_toml_has_every_value_and_its_source(tiny_run):
     assert "max_steps" not in data and "console" not in data
 
 
-def test_config_toml_loads_back_as_the_same_run(tiny_run, tmp_path):
+def test_config_toml_loads_back_as_the_same_run(cli, tiny_run, tmp_path):
     folder, _ = tiny_run
-    result = run_cli("config", "show", "--config", str(folder / "config.toml"), "--json",
+    result = cli("config", "show", "--config", str(folder / "config.toml"), "--json",
                      cwd=tmp_path)
     assert result.returncode == 0, result
     shown = json.loads(result.stdout)

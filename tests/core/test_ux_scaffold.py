@@ -74,8 +74,8 @@ def test_new_plugin_installs_lists_and_passes_its_tests(tmp_path):
     assert "step_count" not in run_cli("plugins").stdout
 
 
-def test_generated_plugin_is_torch_free_and_lint_clean(tmp_path):
-    run_cli("plugin", "new", "tidy", cwd=tmp_path)
+def test_generated_plugin_is_torch_free_and_lint_clean(cli, tmp_path):
+    cli("plugin", "new", "tidy", cwd=tmp_path)
     plugin = tmp_path / "tidy" / "distrun_tidy" / "plugin.py"
     code = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('p', "
             f"{str(plugin)!r}); m = importlib.util.module_from_spec(s); s.loader.exec_module(m);"
@@ -92,14 +92,14 @@ def test_generated_plugin_is_torch_free_and_lint_clean(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["Bad", "9lives", "has-dash", ""])
-def test_bad_names_are_usage_errors(tmp_path, name):
-    result = run_cli("plugin", "new", name, cwd=tmp_path)
+def test_bad_names_are_usage_errors(cli, tmp_path, name):
+    result = cli("plugin", "new", name, cwd=tmp_path)
     assert result.returncode == 2
     assert f"invalid plugin name {name!r}" in result.stderr
 
 
-def test_existing_folder_is_not_overwritten(tmp_path):
+def test_existing_folder_is_not_overwritten(cli, tmp_path):
     (tmp_path / "taken").mkdir()
-    result = run_cli("plugin", "new", "taken", cwd=tmp_path)
+    result = cli("plugin", "new", "taken", cwd=tmp_path)
     assert result.returncode == 2
     assert "already exists" in result.stderr

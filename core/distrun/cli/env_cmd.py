@@ -7,7 +7,7 @@ import platform
 import sys
 from typing import Any
 
-from distrun import __version__
+from distrun._version import __version__
 from distrun.registry.manager import plugin_infos
 
 __all__ = ["env_report"]

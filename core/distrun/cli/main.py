@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from distrun import __version__
+from distrun._version import __version__
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.registry.collect import (
     apply_cluster_env,
@@ -221,10 +221,12 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
     return int(code or 0)
 
 
-def _plugin_hint(message: str) -> str:
-    for flag, dist in PLUGIN_FLAGS.items():
-        if f"'{flag}'" in message or f" {flag}" in message:
-            return f" ({flag} comes with {dist}: pip install {dist})"
+def _plugin_hint(exc: click.UsageError) -> str:
+    """For an unknown flag a first-party plugin would add: the pip command that adds it."""
+    if isinstance(exc, click.NoSuchOption):
+        dist = PLUGIN_FLAGS.get(exc.option_name.split("=", 1)[0])
+        if dist:
+            return f" ({exc.option_name} comes with {dist}: pip install {dist})"
     return ""
 
 
@@ -243,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
     except click.UsageError as exc:
         message = exc.format_message().replace("\n", " ")
-        print(f"error: {message}{_plugin_hint(message)} (see `distrun run --help`)",
+        print(f"error: {message}{_plugin_hint(exc)} (see `distrun run --help`)",
               file=sys.stderr)
         sys.exit(2)
     except DistrunError as exc:

@@ -90,6 +90,7 @@ class WorkerGroup:
                     worker.log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
                 except OSError:
                     worker.log = None
+            assert proc.stdout is not None and proc.stderr is not None  # both are PIPE
             pipes = ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
             worker.threads = [self.relay.pipe(worker, src, dst) for src, dst in pipes]
             self.workers.append(worker)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pluggy
 
 from distrun.config.run_config import RunConfig, core_options
-from distrun.spec.errors import UsageError, suggest
+from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
@@ -65,7 +65,7 @@ def choose_strategy(config: RunConfig, world_size: int | None,
         return strategies[name]
     installed = ", ".join(sorted(strategies))
     hint = suggest(name, [*strategies, *FIRST_PARTY])
-    wanted = name if name in FIRST_PARTY else (hint.split("'")[1] if hint else None)
+    wanted = name if name in FIRST_PARTY else closest(name, [*strategies, *FIRST_PARTY])
     install = (f" Install it with: pip install {FIRST_PARTY[wanted]}"
                if wanted in FIRST_PARTY and wanted not in strategies else "")
     raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")

@@ -29,10 +29,11 @@ __all__ = [
 #: modules of the core registered on every manager, by plugin name
 BUILTIN_PLUGINS = {
     "core": "distrun.train.builtin",
+    "launch": "distrun.launch.builtin",
     "single": "distrun.strategies.single",
     "console": "distrun.loggers.console",
     "csv_logger": "distrun.loggers.csv_file",
-    "runfolder": "distrun.config.run_folder",
+    "runfolder": "distrun.launch.run_folder",
     "plot": "distrun.cli.plot_cmd",
     "config": "distrun.cli.config_cmd",
     "scaffold": "distrun.cli.plugin_new",
@@ -122,7 +123,7 @@ class PluginInfo:
 
 def plugin_infos(pm: pluggy.PluginManager) -> list[PluginInfo]:
     """Registered plugins with their distribution, version and implemented hooks."""
-    from distrun import __version__
+    from distrun._version import __version__
 
     dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     out = []

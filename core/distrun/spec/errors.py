@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["DistrunError", "UsageError", "suggest"]
+__all__ = ["DistrunError", "UsageError", "closest", "suggest"]
 
 
 class DistrunError(Exception):
@@ -20,7 +20,13 @@ class UsageError(DistrunError):
     exit_code = 2
 
 
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``name``, or None when none is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return "; did you mean 'x'?" for the closest choice, or "" when none is close."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    close = closest(name, choices)
+    return f"; did you mean '{close}'?" if close else ""

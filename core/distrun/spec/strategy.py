@@ -6,16 +6,18 @@ This module is torch-free: plugins import ``StrategyInfo`` at import time, and t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from distrun.spec.stash import Stash
+
 if TYPE_CHECKING:
     import torch
 
     from distrun.config.run_config import RunConfig
-    from distrun.train.run import Run
 
 __all__ = ["LazyFactory", "Strategy", "StrategyInfo"]
 
@@ -66,7 +68,18 @@ class LazyFactory:
         obj: Any = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
-        return obj(config)
+        strategy: Strategy = obj(config)
+        return strategy
+
+
+class SetupView(Protocol):
+    """What a strategy's ``setup`` may use of the run (the run itself, seen through its seam)."""
+
+    config: RunConfig
+    #: where a strategy publishes what others read (its mesh: :data:`distrun.spec.keys.DEVICE_MESH`)
+    stash: Stash
+    task: Any
+    log: logging.Logger
 
 
 @runtime_checkable
@@ -89,7 +102,7 @@ class Strategy(Protocol):
     #: model, data, checkpoint restore and loop there after ``setup``, then tears down
     trains: bool
 
-    def setup(self, run: Run) -> None: ...
+    def setup(self, run: SetupView) -> None: ...
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
 

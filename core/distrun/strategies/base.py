@@ -18,8 +18,7 @@ from distrun.config.run_config import RunConfig
 from distrun.strategies.process_group import env_topology, init_process_group, select_device
 
 if TYPE_CHECKING:
-    from distrun.spec.strategy import Strategy
-    from distrun.train.run import Run
+    from distrun.spec.strategy import SetupView, Strategy
 
 __all__ = ["BaseStrategy"]
 
@@ -43,7 +42,7 @@ class BaseStrategy:
         self._owns_group = False
 
     # -- setup ---------------------------------------------------------------------------
-    def setup(self, run: Run) -> None:
+    def setup(self, run: SetupView) -> None:
         self.device = select_device(self.config, self.local_rank)
         if self.world_size > 1:
             self._owns_group = init_process_group(self.config, self.device)

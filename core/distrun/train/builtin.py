@@ -1,4 +1,4 @@
-"""The core's own plugin: options, plain cluster detection, local launch and the loop.
+"""The core's own loop plugin: setup, the loop, backward/step, validation and state.
 
 Registered through the same manager as external plugins (name ``core``). Torch is imported
 inside the hooks that run in workers, never at import time.
@@ -9,27 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from distrun.spec.markers import hookimpl
-
-
-@hookimpl
-def distrun_register_options(register):
-    # Core's fields are part of RunConfig itself (see registry.collect_options).
-    return None
-
-
-@hookimpl(trylast=True)
-def distrun_detect_cluster(environ):
-    from distrun.spec.cluster import ClusterEnv
-
-    return ClusterEnv(name="local")
-
-
-@hookimpl(trylast=True)
-def distrun_launch(config, command, environ):
-    from distrun.launch.local import launch_local
-
-    return launch_local(config, command, environ)
-
 
 # -- worker setup: the strategy wraps in between plain and trylast plugin implementations -----
 

@@ -152,6 +152,7 @@ def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
     cfg = run.config
     run.stash[_WINDOW] = _Window()
+    run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
     while run.progress.epoch < cfg.max_epochs and not run.done:
@@ -235,6 +236,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
             run.lr_scheduler.step()
         prog = run.progress
         prog.step += 1
+        prog.step_started = time.monotonic()
         hook.distrun_on_step_end(run=run, step=prog.step,
                                  metrics={"loss": loss.detach(), "epoch": epoch})
         if prog.step % cfg.log_every_n_steps == 0:

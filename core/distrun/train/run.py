@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distrun.spec.stash import Stash
@@ -34,9 +35,12 @@ class Progress:
     step: int = 0
     micro_step: int = 0
     samples: int = 0
+    #: ``time.monotonic()`` at the last step boundary (not saved): how long a failure waited
+    step_started: float = field(default_factory=time.monotonic, compare=False)
 
     def state_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {"epoch": self.epoch, "step": self.step, "micro_step": self.micro_step,
+                "samples": self.samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("epoch", "step", "micro_step", "samples"):

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
@@ -127,10 +128,39 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> None:
     raise SystemExit(exc.exit_code)
 
 
+#: where torch raises a failed collective: c10d calls, DDP's reducer, autograd's backward
+_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
+
+
 def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, TimeoutError)) and run.world_size > 1 \
-        and ("timed out" in text or "timeout" in text)
+    """A collective that waited out ``--timeout``: told by type and origin, never by text.
+
+    Gloo reports a timeout as a plain ``RuntimeError``; it counts when it was raised inside
+    torch's collective code after the run had waited at least the timeout since its last step.
+    """
+    if run.world_size < 2:
+        return False
+    if isinstance(exc, (TimeoutError, _dist_error())):
+        return True
+    if not isinstance(exc, RuntimeError) or not _raised_in(exc, _COLLECTIVE_MODULES):
+        return False
+    return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
+
+
+def _dist_error() -> type[BaseException]:
+    import torch.distributed as dist
+
+    return getattr(dist, "DistError", TimeoutError)
+
+
+def _raised_in(exc: BaseException, prefixes: tuple[str, ...]) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.startswith(prefixes):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _timeout_message(run: Run) -> str:

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from distrun.config.parallel_dims import ParallelDims
-from distrun.strategies.mesh import build_mesh
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
+from distrun.strategies.mesh import build_mesh
 from distrun.strategies.process_group import init_single_process_group
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 

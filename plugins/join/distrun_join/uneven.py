@@ -101,13 +101,17 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
     loader = run.train_loader
     if cfg.grad_accum > 1:
         run.train_loader = WholeGroups(loader, cfg.grad_accum)
+    body_done = False
     try:
         with join:
             yield
+            body_done = True
     except RuntimeError as exc:
-        text = str(exc)
-        if "exhausted all inputs" in text or "exhausted inputs" in text:
-            who = "this rank" if text.startswith("Rank") else "another rank"
+        # Told by where it came from, not its text: torch's Join raises early termination from
+        # its own frames, on a rank still training (inside the body, from notify_join_context)
+        # or on the rank that ran out (after the body, from Join.__exit__).
+        if cfg.join_throw_on_early_termination and _from_join(exc):
+            who = "this rank" if body_done else "another rank"
             raise DistrunError(
                 f"rank {run.rank}: {who} ran out of batches in epoch {epoch} at step "
                 f"{run.progress.step} while other ranks had more, and "
@@ -118,6 +122,13 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
         run.config = cfg
         run.train_loader = loader
     _resync(run, found)
+
+
+def _from_join(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__") == Join.__module__
 
 
 def _resync(run: Run, found: list[Any]) -> None:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from distrun_rpc.strategy import RpcStrategy
-
 __all__ = ["HybridModel", "RemoteOptimizer", "RemotePart", "ServerParamsModel", "optimizer_spec"]
 
+
+
+class ParamSource(Protocol):
+    """What the models need of the RPC strategy: pulled parameters and the step's context."""
+
+    def pull_params(self, autograd: bool) -> dict[str, torch.Tensor]: ...
+
+    def open_context(self) -> int: ...
 
 class ServerParamsModel(nn.Module):
     """The user's model with its parameters on the servers (synchronous parameter server).
@@ -24,7 +29,7 @@ class ServerParamsModel(nn.Module):
     local. ``module`` keeps the parameters of the last pull (what a checkpoint of it sees).
     """
 
-    def __init__(self, module: nn.Module, strategy: RpcStrategy) -> None:
+    def __init__(self, module: nn.Module, strategy: ParamSource) -> None:
         super().__init__()
         self.module = module
         self._strategy = strategy
@@ -47,7 +52,7 @@ class HybridModel(nn.Module):
     ``model.remote`` and ``model.dense`` itself.
     """
 
-    def __init__(self, remote: nn.Module, dense: nn.Module, strategy: RpcStrategy) -> None:
+    def __init__(self, remote: nn.Module, dense: nn.Module, strategy: ParamSource) -> None:
         super().__init__()
         # Not a registered child: RemoteModule refuses state_dict(), parameters() and train().
         object.__setattr__(self, "remote", RemotePart(remote))

@@ -6,13 +6,14 @@ from typing import Any
 
 from distrun import StrategyInfo, hookimpl
 from distrun.spec.options import plugin_options
-from distrun_rpc.keys import RPC_STRATEGY
 
 PLUGIN = "rpc"
 
 
 def _strategy(run: Any) -> Any:
     """This run's RpcStrategy on a trainer, else None (other strategies, server ranks)."""
+    from distrun_rpc.strategy import RPC_STRATEGY  # the hooks run in workers: torch is there
+
     st = run.stash.get(RPC_STRATEGY)
     return st if st is not None and st.trains else None
 
@@ -70,6 +71,8 @@ def distrun_load_state_dict(run, state):
 
 @hookimpl
 def distrun_on_exception(run, exc):
+    from distrun_rpc.strategy import RPC_STRATEGY
+
     st = run.stash.get(RPC_STRATEGY)
     if st is not None:
         st.failed = True

@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from distrun import UsageError
 from distrun.config.parallel_dims import ParallelDims
-from distrun.strategies.mesh import build_mesh
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
+from distrun.strategies.mesh import build_mesh
 from distrun.strategies.process_group import init_single_process_group
 
 if TYPE_CHECKING:

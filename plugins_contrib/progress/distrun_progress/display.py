@@ -14,7 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-from distrun_progress.plugin import TTY_ENV
+#: the launcher passes its terminal to rank 0 in this variable (workers' stdout is a pipe)
+TTY_ENV = "DISTRUN_PROGRESS_TTY"
 
 __all__ = ["BarDisplay", "LinesDisplay", "Tracker", "make_display", "total_steps"]
 

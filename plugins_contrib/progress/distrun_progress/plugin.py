@@ -15,9 +15,9 @@ from typing import Any
 from distrun import StashKey, hookimpl
 from distrun.spec.keys import CONSOLE_OWNER
 from distrun.spec.options import plugin_options
+from distrun_progress.display import TTY_ENV, make_display
 
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on
-TTY_ENV = "DISTRUN_PROGRESS_TTY"
 _KEY: StashKey[Any] = StashKey("progress")  # the display
 
 
@@ -48,8 +48,6 @@ def distrun_launch(config, command, environ):
 def distrun_on_fit_start(run):
     if not run.is_global_zero or not run.config.get("progress", True):
         return
-    from distrun_progress.display import make_display
-
     run.stash[_KEY] = make_display(run)
     run.stash[CONSOLE_OWNER] = "progress"
 

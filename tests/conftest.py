@@ -1,0 +1,90 @@
+"""Fixtures shared by every test folder.
+
+``cli`` runs the ``distrun`` command *in this process* through click's ``CliRunner``: for
+everything that needs no separate process (option parsing, usage errors, ``plugins`` and
+``strategies``, ``config show/init``, ``--help``, argument errors of ``plot`` and ``ckpt``).
+Launching, signals and exit codes of real runs keep using :func:`distrun.testing.run_cli`
+(a ``distrun`` subprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.process
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+from click.testing import CliRunner
+
+from distrun.testing import CliResult
+
+
+_REAL_POPEN = subprocess.Popen
+_LAUNCH = ("an in-process `cli(...)` call tried to start a worker: use distrun.testing.run_cli "
+           "for anything that launches")
+
+
+def _no_worker_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError(_LAUNCH)
+
+
+def _popen_but_no_python(cmd: object, *args: object, **kwargs: object) -> subprocess.Popen:
+    """Helpers such as ``uname`` (``platform``) may run; a Python worker may not."""
+    argv = [cmd] if isinstance(cmd, (str, bytes, os.PathLike)) else list(cmd)  # type: ignore
+    if argv and (os.path.basename(str(argv[0])).startswith("python")
+                 or argv[0] == sys.executable):
+        raise AssertionError(_LAUNCH)
+    return _REAL_POPEN(cmd, *args, **kwargs)
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
+    """``cli("config", "show", cwd=tmp_path, env={...})``: ``distrun ARGS`` run in-process.
+
+    Same result shape as ``run_cli`` (``returncode``, ``stdout``, ``stderr``, ``output``): the
+    exit code is the ``SystemExit`` code of ``distrun.cli.main.main``, stdout and stderr are
+    captured separately by ``CliRunner``. ``env`` is applied for the call only (``None`` values
+    unset a variable), ``cwd`` too. An unexpected exception propagates and fails the test. The
+    process-wide plugin manager the command installs is put back afterwards, and the call may
+    not start a Python process (that is a launch: use ``run_cli``).
+    """
+    from distrun.cli.main import main
+    from distrun.registry import manager
+
+    previous = manager._pm
+    runner = CliRunner()
+
+    def invoke(*args: str, cwd: str | os.PathLike | None = None,
+               env: dict[str, str | None] | None = None, input: str | None = None) -> CliResult:
+        code: int = 0
+        with contextlib.ExitStack() as stack:
+            if cwd is not None:
+                stack.enter_context(contextlib.chdir(cwd))
+            guard = stack.enter_context(monkeypatch.context())
+            guard.setattr(subprocess, "Popen", _popen_but_no_python)
+            guard.setattr(multiprocessing.process.BaseProcess, "start", _no_worker_process)
+            out, err, _ = stack.enter_context(runner.isolation(input=input, env=env))
+            try:
+                main(list(args))
+            except SystemExit as exc:
+                if exc.code is None:
+                    code = 0
+                elif isinstance(exc.code, int):
+                    code = exc.code
+                else:  # sys.exit("message"): the interpreter prints it and exits 1
+                    print(exc.code, file=sys.stderr)
+                    code = 1
+            finally:
+                sys.stdout.flush()  # the runner's text wrappers buffer
+                sys.stderr.flush()
+                manager.set_plugin_manager(previous)
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+        return CliResult(code, stdout, stderr)
+
+    try:
+        yield invoke
+    finally:
+        manager.set_plugin_manager(previous)
