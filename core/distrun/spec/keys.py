@@ -9,7 +9,7 @@ from distrun.spec.stash import StashKey
 if TYPE_CHECKING:
     from distrun.config.parallel_dims import ParallelDims
 
-__all__ = ["CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS"]
+__all__ = ["CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "UNEVEN_EPOCH"]
 
 #: the run's ``torch.distributed.device_mesh.DeviceMesh``, set by mesh-building strategies
 DEVICE_MESH: StashKey[Any] = StashKey("device_mesh")
@@ -17,5 +17,8 @@ DEVICE_MESH: StashKey[Any] = StashKey("device_mesh")
 PARALLEL_DIMS: StashKey[ParallelDims] = StashKey("parallel_dims")
 #: more ``torch.distributed.algorithms.Joinable`` objects for uneven-input handling
 JOINABLES: StashKey[list[Any]] = StashKey("joinables")
+#: True while an epoch runs with ranks that may hold different batch counts (under Join):
+#: the loop then keeps in-epoch validation for the end of the epoch
+UNEVEN_EPOCH: StashKey[bool] = StashKey("uneven_epoch")
 #: the name of the plugin that shows metrics its own way; the console line stays quiet then
 CONSOLE_OWNER: StashKey[str] = StashKey("console_owner")

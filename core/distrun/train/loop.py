@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -11,9 +12,11 @@ import torch
 
 from distrun.registry.collect import choose_strategy, collect_strategies
 from distrun.spec.errors import UsageError
+from distrun.spec.keys import UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
 from distrun.train.run import Run
 from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
+from distrun.train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
 
 __all__ = ["fit_loop", "setup_run", "seed_everything"]
 
@@ -152,13 +155,15 @@ def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
     cfg = run.config
     run.stash[_WINDOW] = _Window()
+    sync = run.stash[STEP_SYNC] = StepSync(run)
+    sync.log_metrics = lambda step: _log(run, step)
     run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
     while run.progress.epoch < cfg.max_epochs and not run.done:
         run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
         _await_ranks(run, run.progress.epoch)
-        if run.done and run.stop_signal is not None:
+        if _stop_agreed(run, sync.drain()) == PREEMPT:
             break
         finished = run.progress.epoch
         if not run.done or _epoch_complete(run):
@@ -168,12 +173,22 @@ def fit_loop(run: Run) -> Any:
             if run.sampler is not None:
                 run.sampler.set_epoch(run.progress.epoch)
             run.hook.distrun_on_epoch_end(run=run, epoch=finished)
+    _stop_agreed(run, sync.drain())
     _log(run)
     stopped = run.stop_signal is not None
     if not stopped and run.val_loader is not None \
             and run.stash.get(_VALIDATED_AT) != run.progress.step:
         validate(run)
     return run.progress
+
+
+def _stop_agreed(run: Run, agreed: int) -> int:
+    """Act on what the ranks agreed: a preemption as if this rank had the signal itself."""
+    if agreed == PREEMPT and run.stop_signal is None:
+        run.stop_signal = int(signal.SIGTERM)
+    if agreed != NONE:
+        run.done = True
+    return agreed
 
 
 def _await_ranks(run: Run, epoch: int) -> None:
@@ -208,7 +223,10 @@ def _epoch_complete(run: Run) -> bool:
 def epoch_loop(run: Run, epoch: int) -> int:
     """The core's ``distrun_run_epoch``: micro-batches with accumulation, steps, logging."""
     cfg, st, hook = run.config, run.strategy, run.hook
-    model, window = run.model, run.stash[_WINDOW]
+    model, window, sync = run.model, run.stash[_WINDOW], run.stash[STEP_SYNC]
+    # Under Join a rank that ran out of data cannot shadow a validation pass: the in-epoch
+    # ones wait for the end of the epoch, when every rank is back in step.
+    val_every = 0 if run.stash.get(UNEVEN_EPOCH) else cfg.val_every_n_steps
     accum = cfg.grad_accum
     local_batch = run.sampler.local_batch if run.sampler is not None else None
     model.train()
@@ -239,12 +257,10 @@ def epoch_loop(run: Run, epoch: int) -> int:
         prog.step_started = time.monotonic()
         hook.distrun_on_step_end(run=run, step=prog.step,
                                  metrics={"loss": loss.detach(), "epoch": epoch})
+        _stop_agreed(run, sync.boundary())
         if prog.step % cfg.log_every_n_steps == 0:
             _log(run)
-        elif run.stop_signal is not None and run.world_size == 1:
-            run.done = True
-        if cfg.val_every_n_steps and prog.step % cfg.val_every_n_steps == 0 \
-                and run.val_loader is not None:
+        if val_every and prog.step % val_every == 0 and run.val_loader is not None:
             validate(run)
             model.train()
         if 0 <= cfg.max_steps <= prog.step:
@@ -265,29 +281,22 @@ class _Null:
 _NULL = _Null()
 
 
-def _log(run: Run) -> None:
-    """Reduce the window across ranks (one all-reduce, which also carries stop requests)."""
+def _log(run: Run, step: int | None = None) -> None:
+    """Reduce the window across ranks (one all-reduce) and log it as ``step`` (default: now)."""
     window = run.stash.get(_WINDOW)
     if window is None or run.strategy is None:
         return
+    step = run.progress.step if step is None else step
     loss = window.loss if isinstance(window.loss, torch.Tensor) else torch.tensor(window.loss)
-    stop = 1.0 if run.stop_signal is not None else 0.0
     packed = torch.stack([
         loss.detach().to(torch.float64).reshape(()),
         torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
         torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device),
-        torch.tensor(stop, dtype=torch.float64, device=loss.device),
     ]).to(run.strategy.device)
     run.strategy.all_reduce(packed, "sum")
-    loss_sum, micro, samples, stops = packed.tolist()
+    loss_sum, micro, samples = packed.tolist()
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     window.reset()
-    if stops > 0:
-        run.done = True
-        if run.stop_signal is None:
-            import signal
-
-            run.stop_signal = int(signal.SIGTERM)
     if micro == 0:
         return
     metrics = {
@@ -295,12 +304,12 @@ def _log(run: Run) -> None:
         # ranks of one data-parallel replica (TP) saw the same samples: count them once
         "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
         "epoch": float(run.progress.epoch),
-        "step": float(run.progress.step),
+        "step": float(step),
     }
     if run.optimizer is not None and run.optimizer.param_groups:
         metrics["lr"] = float(run.optimizer.param_groups[0].get("lr", 0.0))
     run.metrics.update(metrics)
-    run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)
+    run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
 
 
 def validate(run: Run) -> Mapping[str, float]:

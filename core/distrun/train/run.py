@@ -71,7 +71,10 @@ class Run:
         self.progress = Progress()
         self.metrics: dict[str, float] = {}
         self.stash = Stash()
+        #: a stop signal this rank received (the loop agrees on it with the others)
         self.stop_signal: int | None = None
+        self.stop_requested = False
+        #: set by the loop: stop after this step (agreed by every rank, or max_steps)
         self.done = False
         self.resumed_from: str | None = None
         self.run_dir = config.run_dir
@@ -109,6 +112,13 @@ class Run:
     def unwrapped_model(self) -> torch.nn.Module:
         """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""
         return self.strategy.unwrap_model(self.model)
+
+    def request_stop(self) -> None:
+        """Ask the run to end after the current step, as if it had finished (early stopping).
+
+        Any rank may ask: the ranks agree at a step boundary and stop after the same step.
+        """
+        self.stop_requested = True
 
     def save_checkpoint(self, reason: str = "user") -> str | None:
         """Write a checkpoint now (every rank must call this together); returns its path."""

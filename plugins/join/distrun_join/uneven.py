@@ -27,19 +27,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
 from distrun import DistrunError
-from distrun.config.run_config import with_values
-from distrun.spec.keys import JOINABLES
+from distrun.spec.keys import JOINABLES, UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
 from distrun.train.run import Run
+from distrun.train.step_sync import STEP_SYNC
 from distrun.train.tensors import to_cpu
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 
 log = logging.getLogger("distrun")
-
-#: a log cadence no epoch reaches: under Join the loop's in-epoch metric all-reduce would not
-#: be matched by a rank that already joined, so metrics are reduced after the epoch instead
-_NEVER = 2**62
 
 _ANNOUNCED: StashKey[bool] = StashKey("join.announced")  # the mode was logged once
 
@@ -91,17 +87,19 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
     found = joinables(run)
     if not run.stash.get(_ANNOUNCED):
         run.stash[_ANNOUNCED] = True
-        log.info("join: epochs run inside torch's Join with %s; metrics are reduced at the end "
-                 "of each epoch", ", ".join(type(j).__name__ for j in found))
-    # In-epoch collectives the core runs on its own (metric logging, step validation) have no
-    # join hook: postpone them to the end of the epoch, when every rank is back in step.
-    run.config = with_values(cfg, source="join", log_every_n_steps=_NEVER, val_every_n_steps=0)
-    join = Join(found, throw_on_early_termination=cfg.join_throw_on_early_termination,
+        log.info("join: epochs run inside torch's Join with %s; in-epoch validation waits for "
+                 "the end of each epoch", ", ".join(type(j).__name__ for j in found))
+    # The loop's own step-boundary collectives (stop vote, metric reduction) go last: a rank
+    # that joined shadows them after the model's and optimizer's.
+    sync = run.stash.get(STEP_SYNC)
+    join = Join([*found, *([sync] if sync is not None else [])],
+                throw_on_early_termination=cfg.join_throw_on_early_termination,
                 divide_by_initial_world_size=cfg.join_divide_by_initial_world_size)
     loader = run.train_loader
     if cfg.grad_accum > 1:
         run.train_loader = WholeGroups(loader, cfg.grad_accum)
     body_done = False
+    run.stash[UNEVEN_EPOCH] = True
     try:
         with join:
             yield
@@ -119,7 +117,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
                 "give every rank the same number of batches)") from exc
         raise
     finally:
-        run.config = cfg
+        run.stash[UNEVEN_EPOCH] = False
         run.train_loader = loader
     _resync(run, found)
 

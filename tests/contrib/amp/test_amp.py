@@ -63,9 +63,9 @@ def test_bf16_adds_no_checkpoint_state_without_a_scaler(fits):
     assert "progress" in fits["bf16-mixed"]["state"]
 
 
-def test_cli_flag_and_choices(tmp_path):
+def test_cli_flag_and_choices(cli, tmp_path):
     task = f"{HERE / 'amp_task.py'}:AmpTask"
-    bad = run_cli("run", "--precision", "bf16", task, cwd=tmp_path)
+    bad = cli("run", "--precision", "bf16", task, cwd=tmp_path)  # in-process: nothing launches
     assert bad.returncode == 2, bad
     assert "bf16-mixed" in bad.stderr and "Allowed: 32-true, bf16-mixed, 16-mixed" in bad.stderr
     ok = run_cli("run", "--precision", "bf16-mixed", "--max-steps", "3", "--batch-size", "32",

@@ -44,6 +44,13 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def cli_env(**extra: str) -> dict[str, str | None]:
+    """``base_env`` for the in-process ``cli`` fixture: scheduler variables unset, plus ``extra``."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k not in base_env()}
+    env.update(extra)
+    return env
+
+
 def distrun(*args: str, env: dict[str, str], cwd: Path, timeout: float = 180
             ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distrun", *args], env=env, cwd=cwd,
@@ -84,4 +91,5 @@ def probe(tmp_path: Path) -> Path:
 @pytest.fixture
 def h() -> SimpleNamespace:
     """This folder's helpers (test modules cannot import conftest under --import-mode=importlib)."""
-    return SimpleNamespace(base_env=base_env, distrun=distrun, finish=finish, read_ranks=read_ranks, start=start)
+    return SimpleNamespace(base_env=base_env, cli_env=cli_env, distrun=distrun, finish=finish,
+                           read_ranks=read_ranks, start=start)

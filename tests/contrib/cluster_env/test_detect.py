@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from distrun import UsageError
@@ -123,20 +120,13 @@ ENV_LINES = [  # (environment, the line `distrun env` prints for it)
 ]
 
 
-def test_distrun_env_shows_the_detected_environment(h, tmp_path):
-    # All at once: each `distrun env` imports torch, which is the slow part.
-    cmd = [sys.executable, "-m", "distrun", "env"]
-    procs = [subprocess.Popen(cmd, env=h.base_env(**env), cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for env, _ in ENV_LINES]
-    broken = subprocess.Popen(cmd, env=h.base_env(**{**SLURM_NODES, "SLURM_NODELIST": "n[1-"}),
-                              cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-    for proc, (_, line) in zip(procs, ENV_LINES):
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        assert line in out.splitlines(), out
+def test_distrun_env_shows_the_detected_environment(h, cli, tmp_path):
+    # In-process (the `cli` fixture): `distrun env` needs no process of its own.
+    for env, line in ENV_LINES:
+        result = cli("env", env=h.cli_env(**env), cwd=tmp_path)
+        assert result.returncode == 0, result
+        assert line in result.stdout.splitlines(), result.stdout
     # a broken environment is one line and exit 2, no traceback
-    out, err = broken.communicate(timeout=180)
+    broken = cli("env", env=h.cli_env(**{**SLURM_NODES, "SLURM_NODELIST": "n[1-"}), cwd=tmp_path)
     assert broken.returncode == 2
-    assert err.strip() == "error: bad SLURM node list 'n[1-': unbalanced '['", err
+    assert broken.stderr.strip() == "error: bad SLURM node list 'n[1-': unbalanced '['", broken

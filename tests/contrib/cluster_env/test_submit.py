@@ -89,7 +89,7 @@ def test_pytorchjob_manifest():
         assert container["resources"]["limits"] == {"cpu": "4"}
 
 
-def test_submit_errors_are_one_line(h, tmp_path):
+def test_submit_errors_are_one_line(h, cli, tmp_path):
     cases = [
         (["--dry-run", "x.py"], "error: say where to submit: --slurm or --k8s"),
         (["--k8s", "--job-name", "Bad_Name", "--dry-run", "x.py"],
@@ -98,9 +98,9 @@ def test_submit_errors_are_one_line(h, tmp_path):
         (["--slurm", "x.py"], "error: sbatch is not on PATH (use --dry-run to print the job "
                               "file, or -o FILE to write it)"),
     ]
-    env = h.base_env(PATH=os.path.dirname(sys.executable))  # no sbatch there
+    env = h.cli_env(PATH=os.path.dirname(sys.executable))  # no sbatch there
     for args, message in cases:
-        result = h.distrun("submit", *args, env=env, cwd=tmp_path, timeout=120)
+        result = cli("submit", *args, env=env, cwd=tmp_path)
         assert (result.returncode, result.stderr.strip()) == (2, message)
 
 

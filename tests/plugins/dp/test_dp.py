@@ -70,18 +70,17 @@ def test_cuda_wraps_in_dataparallel_with_plain_keys(tmp_path):
     assert not any(k.startswith("module.") for k in keys)
 
 
-def test_dp_with_several_processes_is_a_usage_error(tmp_path):
+def test_dp_with_several_processes_is_a_usage_error(cli, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('should not run')\n")
-    result = run_cli("run", "--nproc-per-node", "2", "--strategy", "dp", str(script),
-                     cwd=tmp_path)
+    result = cli("run", "--nproc-per-node", "2", "--strategy", "dp", str(script), cwd=tmp_path)
     assert result.returncode == 2, result
     assert "strategy 'dp' runs in one process" in result.stderr
     assert "should not run" not in result.stdout
 
 
-def test_strategy_is_listed_with_its_plugin():
-    result = run_cli("strategies")
+def test_strategy_is_listed_with_its_plugin(cli):
+    result = cli("strategies")
     assert result.returncode == 0, result
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("dp "))
     assert "DataParallel" in line and "[dp]" in line

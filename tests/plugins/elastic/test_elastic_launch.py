@@ -87,12 +87,12 @@ def test_plan_errors_say_how_to_fix(flags, message):
         make_plan(config_of(**flags), {})
 
 
-def test_help_lists_the_options_and_a_range_without_endpoint_is_a_usage_error(tmp_path):
-    help_text = run_cli("run", "--help", env=ENV).stdout
+def test_help_lists_the_options_and_a_range_without_endpoint_is_a_usage_error(cli, tmp_path):
+    help_text = cli("run", "--help", env=ENV).stdout
     for flag in ("--max-restarts", "--max_restarts", "--rdzv-endpoint", "--rdzv_endpoint",
                  "--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--monitor-interval"):
         assert flag in help_text
-    result = run_cli("run", "--nnodes", "1:2", str(HERE / "envdump.py"), cwd=tmp_path, env=ENV)
+    result = cli("run", "--nnodes", "1:2", str(HERE / "envdump.py"), cwd=tmp_path, env=ENV)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: --nnodes 1:2 needs --rdzv-endpoint HOST:PORT: the address every node can reach "

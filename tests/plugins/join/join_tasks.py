@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 import torch
@@ -70,21 +71,58 @@ class StrategyPlugin:
 PLUGIN = StrategyPlugin()
 
 
+class StopAndRecord:
+    """Records the steps metrics were logged at; asks one rank to stop after a given step.
+
+    ``kind`` "request" is early stopping (``run.request_stop()``), "signal" a preemption as
+    the signal handler records it (``run.stop_signal``).
+    """
+
+    def __init__(self, stop_at: tuple[int, int, str] | None) -> None:
+        self.stop_at = stop_at
+        self.logged: list[int] = []
+
+    @distrun.hookimpl
+    def distrun_log_metrics(self, run: Any, step: int, metrics: Any) -> None:
+        if "loss" in metrics:
+            self.logged.append(step)
+
+    @distrun.hookimpl
+    def distrun_on_step_end(self, run: Any, step: int) -> None:
+        if self.stop_at is None:
+            return
+        rank, at, kind = self.stop_at
+        if run.rank == rank and step == at:
+            if kind == "request":
+                run.request_stop()
+            else:
+                run.stop_signal = int(signal.SIGTERM)
+
+
 def fit_uneven(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fit ``Uneven`` once per options dict; per run: flat parameters, steps, or the error."""
     out = []
     for options in runs:
         options = dict(options)
         counts = options.pop("counts", (5, 8))
+        recorder = StopAndRecord(options.pop("stop_at", None))
+        trainer = distrun.Trainer(plugins=(PLUGIN, recorder), summary=False, debug=True,
+                                  **options)
         try:
-            run = distrun.Trainer(plugins=(PLUGIN,), summary=False, debug=True,
-                                  **options).fit(Uneven(counts))
+            run = trainer.fit(Uneven(counts))
         except distrun.DistrunError as exc:
             out.append({"error": str(exc)})
             continue
+        except SystemExit as exc:  # a preemption: checkpoint saved, exit for requeue
+            out.append({"exit": exc.code, "logged": recorder.logged})
+            continue
+        finally:
+            from distrun.registry.manager import get_plugin_manager
+
+            get_plugin_manager().unregister(recorder)
         flat = torch.cat([_full(p).detach().flatten()
                           for p in run.unwrapped_model().parameters()])
-        out.append({"params": flat, "steps": run.progress.step,
+        out.append({"params": flat, "steps": run.progress.step, "logged": recorder.logged,
                     "micro_steps": run.progress.micro_step, "strategy": run.strategy.name})
     return out
 

@@ -26,6 +26,10 @@ RUNS = {
     # a strategy with no Joinable: the ranks agree on the smaller count
     "agree": dict(COMMON, strategy="manual_allreduce", max_epochs=2),
     "agree_forced_ddp": dict(COMMON, strategy="ddp", join_mode="agree"),
+    # stop requests and log steps under Join: rank 0 (5 batches) has joined when they come
+    "join_log": dict(COMMON, strategy="ddp", log_every_n_steps=2),
+    "join_request_stop": dict(COMMON, strategy="ddp", max_epochs=2, stop_at=(1, 6, "request")),
+    "join_preempt": dict(COMMON, strategy="ddp", max_epochs=2, stop_at=(1, 6, "signal")),
 }
 HAVE_FSDP = importlib.util.find_spec("distrun_fsdp") is not None
 if HAVE_FSDP:  # FSDP has no Joinable: the ranks agree on the step count
@@ -53,6 +57,26 @@ def test_uneven_ranks_finish_with_equal_parameters(join_runs, name):
 def test_join_counts_the_longest_ranks_steps(join_runs):
     assert join_runs[0]["join"]["steps"] == 16  # 8 steps x 2 epochs: rank 0 shadowed 3 a epoch
     assert join_runs[0]["join_accum"]["steps"] == 4  # 8 micro-batches / 2
+
+
+def test_log_every_n_steps_holds_under_join(join_runs):
+    # 8 steps in the epoch: rows at 2, 4, 6, 8 on rank 0 too, though it ran out after step 5
+    assert join_runs[0]["join_log"]["logged"] == [2, 4, 6, 8]
+    assert join_runs[1]["join_log"]["logged"] == [2, 4, 6, 8]
+
+
+def test_a_stop_request_under_join_ends_every_rank_after_the_same_step(join_runs):
+    a, b = join_runs[0]["join_request_stop"], join_runs[1]["join_request_stop"]
+    assert "error" not in a and "error" not in b, (a, b)
+    # asked on rank 1 after step 6 (rank 0 had joined at 5): the vote cast at step 6 is read
+    # at step 7 on both ranks; the second epoch never starts
+    assert a["steps"] == b["steps"] == 7
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
+
+
+def test_a_preemption_under_join_exits_every_rank_for_requeue(join_runs):
+    a, b = join_runs[0]["join_preempt"], join_runs[1]["join_preempt"]
+    assert a.get("exit") == b.get("exit") == 143, (a, b)
 
 
 def test_agree_drops_the_surplus_batches(join_runs):
