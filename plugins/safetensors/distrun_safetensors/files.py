@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import struct
 import zlib
 from collections.abc import Callable, Iterable
@@ -36,23 +35,24 @@ class CheckpointError(UsageError):
     """A checkpoint is missing, torn, corrupted or does not fit the model (exit code 2)."""
 
 
-# -- test hook: die at the k-th durable event of a save (kill -9 tests only) ----------------
+# -- observers of a save's durable points (tracing; the kill -9 tests stop a process there) ---
 
-_events = 0
+_observers: list[Callable[[str], None]] = []
 
 
-def kill_point(what: str) -> None:
-    """SIGKILL this process at the k-th event when ``DISTRUN_CKPT_TEST_KILL_AT=k[@rank]``."""
-    spec = os.environ.get("DISTRUN_CKPT_TEST_KILL_AT")
-    if not spec:
-        return
-    at, _, rank = spec.partition("@")
-    if rank and rank != os.environ.get("RANK", "0"):
-        return
-    global _events
-    _events += 1
-    if _events == int(at):
-        os.kill(os.getpid(), signal.SIGKILL)
+def observe_durable(fn: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``fn(what)`` after each durable point of a save in this process: a file written
+    and synced, a folder renamed, ``latest`` replaced, an old checkpoint pruned.
+
+    Returns a function that removes the observer.
+    """
+    _observers.append(fn)
+    return lambda: _observers.remove(fn)
+
+
+def durable(what: str) -> None:
+    for fn in tuple(_observers):
+        fn(what)
 
 
 # -- paths -------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def write_json(path: str, obj: Any) -> dict[str, Any]:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-    kill_point(path)
+    durable(path)
     return {"size": len(data), "crc32": f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"}
 
 
@@ -161,7 +161,7 @@ def write_safetensors(path: str, entries: list[tuple[str, str, list[int], int]],
         for job in pending:
             job.result()
         os.fsync(fd)
-    kill_point(path)
+    durable(path)
     return {"size": written, "crc32": f"{crc[0] & 0xFFFFFFFF:08x}"}
 
 

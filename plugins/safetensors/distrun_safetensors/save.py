@@ -22,7 +22,7 @@ from distrun_safetensors import comm
 from distrun_safetensors.files import (
     CheckpointError,
     fsync_dir,
-    kill_point,
+    durable,
     write_json,
     write_safetensors,
 )
@@ -249,27 +249,27 @@ class Checkpointer:
         }
         write_json(os.path.join(tmp, MANIFEST), manifest)
         fsync_dir(tmp)
-        kill_point("tmp folder synced")
+        durable("tmp folder synced")
         if os.path.exists(final):  # same step saved before (e.g. a resumed run): replace it
             old = os.path.join(self.directory, f".old-{os.path.basename(final)}-"
                                                f"{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
-            kill_point("moved aside")
+            durable("moved aside")
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
         fsync_dir(self.directory)
-        kill_point("renamed")
+        durable("renamed")
         pointer = os.path.join(self.directory, f".latest-{uuid.uuid4().hex[:8]}")
         with open(pointer, "w") as fh:
             fh.write(os.path.basename(final) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        kill_point("latest written")
+        durable("latest written")
         os.replace(pointer, os.path.join(self.directory, LATEST))
         fsync_dir(self.directory)
-        kill_point("latest replaced")
+        durable("latest replaced")
         self._prune(final)
         return {"error": None}
 
@@ -287,7 +287,7 @@ class Checkpointer:
         folders = [f for f in step_folders(self.directory) if f != keep]
         for folder in folders[self.keep_last - 1:]:
             shutil.rmtree(folder, ignore_errors=True)
-            kill_point(f"pruned {folder}")
+            durable(f"pruned {folder}")
 
 
 def _stage(item: tuple[str, Piece]) -> tuple[str, Piece]:

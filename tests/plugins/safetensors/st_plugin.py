@@ -58,6 +58,32 @@ def _make_fsdp(config):
     return ShardStrategy(config)
 
 
+def kill_at(k: int) -> None:
+    """SIGKILL this process at the k-th durable point of its checkpoint saves."""
+    import signal
+
+    from distrun_safetensors.files import observe_durable
+
+    seen = [0]
+
+    def count(what: str) -> None:
+        seen[0] += 1
+        if seen[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    observe_durable(count)
+
+
+@hookimpl
+def distrun_configure(config):
+    # ST_KILL_AT=k@rank: that rank dies at the k-th durable point of its saves
+    spec = os.environ.get("ST_KILL_AT")
+    if spec:
+        at, _, rank = spec.partition("@")
+        if not rank or rank == os.environ.get("RANK", "0"):
+            kill_at(int(at))
+
+
 @hookimpl
 def distrun_register_strategies(register):
     register(StrategyInfo("st_ddp", _make_ddp, help="test: replicas + grad all-reduce",

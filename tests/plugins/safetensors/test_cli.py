@@ -36,7 +36,7 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
 
     # rank 1 is killed (-9) right after writing its 2nd file of the step-6 save
     killed = _train(run_dir, "--max-steps", "8", "--resume", "latest",
-                    DISTRUN_CKPT_TEST_KILL_AT="2@1")
+                    ST_KILL_AT="2@1")
     assert killed.returncode != 0, killed
     assert (ckpts / "latest").read_text().strip() == "step-4"
     verify = run_cli("ckpt", "verify", str(ckpts))

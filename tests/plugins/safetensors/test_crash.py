@@ -7,6 +7,7 @@ import os
 import signal
 
 from st_layouts import build, compare, full_state, train_step
+from st_plugin import kill_at as kill_at_point
 
 from distrun_safetensors.load import load
 from distrun_safetensors.manifest import validate
@@ -14,7 +15,7 @@ from distrun_safetensors.save import Checkpointer
 
 
 def _save_and_maybe_die(directory: str, step: int, kill_at: int) -> None:
-    os.environ["DISTRUN_CKPT_TEST_KILL_AT"] = str(kill_at)
+    kill_at_point(kill_at)
     model, opt = build("plain", seed=step)
     train_step(model, opt, step)
     Checkpointer(directory, keep_last=1).save(step, model, opt, {"progress": {"step": step}})
