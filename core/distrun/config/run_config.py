@@ -60,20 +60,19 @@ class RunConfig:
     name: str = _opt("", "run name (default: the script's name and the start time)")
     run_dir: str = _opt("", "run folder (default: runs/NAME)")
     summary: bool = _opt(True, "print the model summary table on rank 0")
-    debug: bool = _opt(False, "show tracebacks for user errors", launcher_only=True)
+    debug: bool = _opt(False, "show tracebacks for user errors")
     # --- launcher ------------------------------------------------------------------------
     nproc_per_node: Any = _opt(
         1, "worker processes on this node (or 'auto')", parse=_nproc,
-        aliases=("--nproc_per_node",), launcher_only=True, metavar="N|auto", type=str,
+        aliases=("--nproc_per_node",), metavar="N|auto", type=str,
     )
-    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)", launcher_only=True)
-    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",),
-                          launcher_only=True)
+    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)")
+    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",))
     master_addr: str = _opt("127.0.0.1", "address of rank 0's node",
-                            aliases=("--master_addr",), launcher_only=True)
+                            aliases=("--master_addr",))
     master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0,
-                            aliases=("--master_port",), launcher_only=True)
-    tee: bool = _opt(False, "prefix each worker line with its rank", launcher_only=True)
+                            aliases=("--master_port",))
+    tee: bool = _opt(False, "prefix each worker line with its rank")
     # --- plugin options and provenance (not flags) ---------------------------------------
     plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

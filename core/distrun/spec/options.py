@@ -31,7 +31,6 @@ class Option:
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
     plugin: str = "core"
-    launcher_only: bool = False
     hidden: bool = field(default=False, compare=False)
 
     @property
@@ -48,7 +47,7 @@ def plugin_options(register: Callable[[Option], Any], plugin: str,
     """``opt(name, type, default, help, **kw)``: declare one option of ``plugin`` and register it.
 
     For ``distrun_register_options(register)``: ``opt = plugin_options(register, "ddp")``.
-    ``common`` applies to every option (``launcher_only=True``); ``kw`` of one call overrides it.
+    ``common`` applies to every option (``hidden=True``); ``kw`` of one call overrides it.
     """
 
     def opt(name: str, type: type = str, default: Any = None, help: str = "",

@@ -15,7 +15,7 @@ PLUGIN = "elastic"
 @hookimpl
 def distrun_register_options(register):
     # Names mirror torchrun's flags (no plugin prefix); torchrun's spellings are aliases.
-    opt = plugin_options(register, PLUGIN, launcher_only=True)
+    opt = plugin_options(register, PLUGIN)
     opt("max_restarts", int, 0,
         "restart all workers up to N times after a failure, from the latest checkpoint",
         min=0, aliases=("--max_restarts",))

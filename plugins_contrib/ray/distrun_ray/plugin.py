@@ -10,7 +10,7 @@ PLUGIN = "ray"
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, PLUGIN, launcher_only=True)
+    opt = plugin_options(register, PLUGIN)
     opt("launcher", str, "local", "who starts the workers: this node ('local') or a Ray "
         "cluster ('ray')", choices=("local", "ray"))
     opt("ray_address", str, "", "Ray cluster to use, HOST:PORT (default: $RAY_ADDRESS, else a "
