@@ -94,6 +94,11 @@ def distrun_load_state_dict(run, state):
 @hookimpl
 def distrun_on_fit_start(run):
     run.stash[_LAST_SAVE] = time.monotonic()
+    if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start
+        from distrun_safetensors.save import sweep_stale
+
+        for path in sweep_stale(ckpt_dir(run)):
+            run.log.info("Removed %s, left by a save that did not finish", path)
 
 
 @hookimpl

@@ -8,6 +8,8 @@ parent, then atomically replaces ``latest``. Old checkpoints are pruned only aft
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import threading
@@ -102,6 +104,7 @@ class Checkpointer:
         self._group: Any = None
         self.last: tuple[int, str] | None = None
         self.pending: tuple[int, str] | None = None
+        self._claims: dict[str, int] = {}  # rank 0: lock of each temporary folder it writes
 
     # -- public ---------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
@@ -122,6 +125,7 @@ class Checkpointer:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
+                self._claims[tmp] = _claim(tmp)
                 os.mkdir(tmp)
             except OSError as exc:
                 tmp = {"error": f"cannot create a folder in {self.directory} ({exc.strerror})"}
@@ -138,6 +142,7 @@ class Checkpointer:
         if error:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+                self._release(tmp)
             raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
         if not self.async_save:
             self._write_and_commit(job, tmp, final, None)
@@ -208,6 +213,8 @@ class Checkpointer:
             except Exception as exc:
                 outcome = {"error": str(exc)}
                 shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                self._release(tmp)
         outcome = comm.broadcast(outcome, group)
         if outcome.get("error"):
             raise CheckpointError(f"checkpoint step {job['step']} was not saved: "
@@ -273,10 +280,18 @@ class Checkpointer:
         self._prune(final)
         return {"error": None}
 
+    def _release(self, tmp: str) -> None:
+        fd = self._claims.pop(tmp, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp + LOCK_SUFFIX)
+            os.close(fd)
+
     def _prune(self, keep: str) -> None:
         """Drop leftovers of crashed saves and all but the ``keep_last`` newest checkpoints."""
+        sweep_stale(self.directory)
         for name in os.listdir(self.directory):
-            if name.startswith((".tmp-step-", ".old-step-", ".latest-")):
+            if name.startswith((".old-step-", ".latest-")):
                 path = os.path.join(self.directory, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
@@ -288,6 +303,65 @@ class Checkpointer:
         for folder in folders[self.keep_last - 1:]:
             shutil.rmtree(folder, ignore_errors=True)
             durable(f"pruned {folder}")
+
+
+#: next to each temporary folder: a file its writer holds an exclusive flock on
+LOCK_SUFFIX = ".lock"
+
+
+def _claim(tmp: str) -> int:
+    """Lock ``tmp``'s lock file for this process (before the folder exists); return the fd.
+
+    The kernel drops the lock when the process dies, however it dies, so a sweeper can tell a
+    folder whose writer is gone from one another live run is still writing.
+    """
+    fd = os.open(tmp + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the temporary folders in ``directory`` whose writer is gone; return them.
+
+    Safe when several runs share the folder: a folder whose lock is held is left alone.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.startswith(".tmp-step-") or name.endswith(LOCK_SUFFIX):
+            continue
+        try:
+            fd = os.open(path + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live save of this or another run
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            os.unlink(path + LOCK_SUFFIX)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    # a lock file whose folder is gone (the writer died before mkdir, or after the sweep above)
+    for name in names:
+        if name.startswith(".tmp-step-") and name.endswith(LOCK_SUFFIX) \
+                and not os.path.isdir(os.path.join(directory, name[:-len(LOCK_SUFFIX)])):
+            lock = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(lock)
+                finally:
+                    os.close(fd)
+    return removed
 
 
 def _stage(item: tuple[str, Piece]) -> tuple[str, Piece]:

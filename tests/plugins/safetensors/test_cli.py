@@ -39,6 +39,8 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
                     ST_KILL_AT="2@1")
     assert killed.returncode != 0, killed
     assert (ckpts / "latest").read_text().strip() == "step-4"
+    leftovers = [p for p in ckpts.iterdir() if p.name.startswith(".tmp-step-6-") and p.is_dir()]
+    assert len(leftovers) == 1, sorted(ckpts.iterdir())
     verify = run_cli("ckpt", "verify", str(ckpts))
     assert verify.returncode == 0, verify
     assert "OK" in verify.stdout and "BAD" not in verify.stdout
@@ -47,6 +49,9 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
     resumed = _train(run_dir, "--max-steps", "8", "--resume", "latest", ST_SAVE=str(final))
     assert resumed.returncode == 0, resumed
     assert f"Resumed from {ckpts / 'step-4'} at step 4" in resumed.output
+    # the killed save's folder went when the next run started, before its own first save
+    assert f"Removed {leftovers[0]}, left by a save that did not finish" in resumed.output
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-step-")]
     assert (ckpts / "latest").read_text().strip() == "step-8"
 
     listing = run_cli("ckpt", "ls", str(run_dir))

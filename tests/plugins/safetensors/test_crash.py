@@ -60,3 +60,46 @@ def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path):
     killed, loaded = _kill_at_every_point(directory, lambda k: again)
     assert killed >= 10
     assert any(name.startswith(".old-step-") for name in loaded), loaded
+
+
+def _hold_a_save_open(directory: str, started: object, release: object) -> None:
+    """A live save of another run: its temporary folder and the lock on it, held open."""
+    from distrun_safetensors.save import _claim
+
+    tmp = os.path.join(directory, ".tmp-step-9-live0000")
+    _claim(tmp)
+    os.mkdir(tmp)
+    started.set()
+    release.wait(60)
+
+
+def test_leftovers_of_a_killed_save_go_at_the_next_start_but_a_live_save_stays(tmp_path):
+    from distrun_safetensors.save import sweep_stale
+
+    directory = str(tmp_path / "ckpt")
+    os.makedirs(directory)
+    # a save killed -9 after its first file: the temporary folder stays behind
+    child = mp.get_context("fork").Process(target=_save_and_maybe_die, args=(directory, 2, 1))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    stale = [n for n in os.listdir(directory) if n.startswith(".tmp-step-2-")]
+    assert stale and any(os.path.isdir(os.path.join(directory, n)) for n in stale)
+    # another run saving into the same folder right now
+    ctx = mp.get_context("fork")
+    started, release = ctx.Event(), ctx.Event()
+    live = ctx.Process(target=_hold_a_save_open, args=(directory, started, release))
+    live.start()
+    try:
+        assert started.wait(60)
+        removed = sweep_stale(directory)
+        assert sorted(removed) == sorted(os.path.join(directory, n) for n in stale
+                                         if not n.endswith(".lock"))
+        left = sorted(os.listdir(directory))
+        assert left == [".tmp-step-9-live0000", ".tmp-step-9-live0000.lock"], left
+    finally:
+        release.set()
+        live.join(60)
+    # its writer gone too, the next sweep takes the live one's folder as well
+    assert sweep_stale(directory) == [os.path.join(directory, ".tmp-step-9-live0000")]
+    assert os.listdir(directory) == []
