@@ -21,7 +21,6 @@ from click.testing import CliRunner
 
 from distrun.testing import CliResult
 
-
 _REAL_POPEN = subprocess.Popen
 _LAUNCH = ("an in-process `cli(...)` call tried to start a worker: use distrun.testing.run_cli "
            "for anything that launches")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from distrun.testing import run_cli
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
 
 
+@pytest.mark.slow
 def test_digits_demo_reaches_95_percent(tmp_path):
     result = run_cli("run", "--run-dir", str(tmp_path / "run"), str(DEMO), cwd=tmp_path,
                      timeout=900)

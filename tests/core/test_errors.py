@@ -108,6 +108,7 @@ def test_debug_shows_the_traceback(tiny_script):
     assert "Traceback" in result.stderr and "UsageError" in result.stderr
 
 
+@pytest.mark.slow
 def test_worker_side_usage_error_is_said_once(tmp_path, tiny_script):
     # The batch does not split over 3 data ranks: every rank finds it, the user reads it once.
     result = run_cli("run", "--nproc-per-node", "3", "--batch-size", "32", tiny_script,

@@ -81,6 +81,7 @@ def test_hooks_fire_in_documented_order(tmp_path, recorder_env, tiny_script):
     assert {"progress", "rng", "sampler", "recorder"} <= set(names)
 
 
+@pytest.mark.slow
 def test_epoch_end_and_fit_end_order(tmp_path, recorder_env, tiny_script):
     result, recs = run_recorded(tmp_path, recorder_env, tiny_script, "--max-epochs", "2",
                                 "--batch-size", "64")
@@ -104,6 +105,7 @@ def test_exception_hook_and_exit_code(tmp_path, recorder_env, tiny_script):
     assert "on_fit_end" not in seq
 
 
+@pytest.mark.slow
 def test_preempt_saves_and_exits_for_requeue(tmp_path, recorder_env, tiny_script):
     result, recs = run_recorded(tmp_path, recorder_env, tiny_script, "--max-epochs", "3",
                                 extra_env={"TINY_SIGTERM_AT": "3"})

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from distrun.testing import run_cli
 
 TORCHRUN_SCRIPT = """
@@ -52,6 +54,7 @@ def test_torchrun_script_runs_unchanged_on_two_processes(tmp_path):
     assert infos[0]["MASTER_PORT"] == infos[1]["MASTER_PORT"]
 
 
+@pytest.mark.slow
 def test_module_target(tmp_path):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
@@ -63,6 +66,7 @@ def test_module_target(tmp_path):
     assert json.loads((tmp_path / "rank1.json").read_text())["sum"] == 1.0
 
 
+@pytest.mark.slow
 def test_task_target_trains(tmp_path, tiny_script):
     result = run_cli("run", "--max-steps", "3", "--run-dir", str(tmp_path / "r"),
                      f"{tiny_script}:TinyTask", cwd=tmp_path)
@@ -123,6 +127,7 @@ def test_sigterm_reaches_every_worker(tmp_path):
         assert (tmp_path / f"stopped{r}").read_text() == str(int(signal.SIGTERM))
 
 
+@pytest.mark.slow
 def test_two_static_nodes_on_one_machine(tmp_path):
     """--nnodes 2: two launchers (node ranks 0 and 1) form one 4-process group."""
     from distrun.testing import free_port

@@ -9,6 +9,7 @@ from distrun.testing import run_cli
 pytest.importorskip("matplotlib", reason="distrun plot needs matplotlib")
 
 
+@pytest.mark.slow
 def test_plot_of_a_real_run(tmp_path, tiny_script):
     result = run_cli("-p", "no:progress", "run", "--name", "p", "--max-epochs", "2",
                      "--batch-size", "32", "--log-every-n-steps", "2", "--no-summary",

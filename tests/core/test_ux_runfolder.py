@@ -109,6 +109,7 @@ def test_no_console_and_no_csv(tmp_path):
     assert not (tmp_path / "out" / "metrics.csv").exists()
 
 
+@pytest.mark.slow
 def test_direct_python_run_writes_its_folder(tmp_path):
     """`python train.py` (no launcher): rank 0 writes config.toml and metrics.csv itself."""
 
@@ -128,6 +129,7 @@ def test_direct_python_run_writes_its_folder(tmp_path):
         ("2", True, False), ("4", True, False), ("4", False, True)]
 
 
+@pytest.mark.slow
 def test_resume_keeps_metrics_csv_as_one_run(tmp_path):
     pytest.importorskip("distrun_safetensors", reason="resuming needs a checkpoint plugin")
     common = ("-p", "no:progress", "run", "--name", "r", "--batch-size", "32",

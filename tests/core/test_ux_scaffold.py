@@ -33,6 +33,7 @@ def pip(venv_python: str, *args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_new_plugin_installs_lists_and_passes_its_tests(tmp_path):
     result = run_cli("plugin", "new", "step_count", "--summary", "Counts steps", cwd=tmp_path)
     assert result.returncode == 0, result

@@ -67,6 +67,7 @@ def _ranks(tmp_path: Path, world: int) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_static_two_nodes_four_processes(tmp_path):
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -98,6 +99,7 @@ def _elastic_launcher() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_elastic_one_to_two_nodes(tmp_path):
     reason = _elastic_launcher()
     if reason:

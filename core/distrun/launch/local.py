@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from distrun.config.run_config import RunConfig
 from distrun.launch.exits import exit_code
@@ -90,8 +90,8 @@ class WorkerGroup:
                     worker.log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
                 except OSError:
                     worker.log = None
-            assert proc.stdout is not None and proc.stderr is not None  # both are PIPE
-            pipes = ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+            pipes = ((cast(IO[str], proc.stdout), sys.stdout),  # both are PIPE: never None
+                     (cast(IO[str], proc.stderr), sys.stderr))
             worker.threads = [self.relay.pipe(worker, src, dst) for src, dst in pipes]
             self.workers.append(worker)
 

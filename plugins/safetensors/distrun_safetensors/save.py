@@ -23,8 +23,8 @@ import torch
 from distrun_safetensors import comm
 from distrun_safetensors.files import (
     CheckpointError,
-    fsync_dir,
     durable,
+    fsync_dir,
     write_json,
     write_safetensors,
 )

@@ -76,6 +76,7 @@ def test_cli_flag_and_choices(cli, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
+@pytest.mark.slow
 def test_16_mixed_on_cpu_is_a_usage_error(tmp_path):
     task = f"{HERE / 'amp_task.py'}:AmpTask"
     result = run_cli("run", "--precision", "16-mixed", "--max-steps", "2", task, cwd=tmp_path)

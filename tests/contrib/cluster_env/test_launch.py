@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from distrun.testing import free_port
 
 
@@ -30,6 +32,7 @@ def test_srun_style_two_tasks_form_one_gloo_group(h, tmp_path, probe):
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
 
 
+@pytest.mark.slow
 def test_flags_override_detection(h, tmp_path, probe):
     """Inside an srun task, --nproc-per-node chooses the layout and --master-port the port."""
     port = free_port()
@@ -43,6 +46,7 @@ def test_flags_override_detection(h, tmp_path, probe):
     assert {i["MASTER_ADDR"] for i in infos} == {"localhost"}  # still from the node list
 
 
+@pytest.mark.slow
 def test_pytorchjob_pods_as_two_launchers(h, tmp_path, probe):
     """Two pods of a PyTorchJob (nprocPerNode 1): each launcher starts its pod's worker."""
     port = free_port()
@@ -61,6 +65,7 @@ def test_pytorchjob_pods_as_two_launchers(h, tmp_path, probe):
         assert info["MASTER_PORT"] == str(port) and info["sum"] == 1.0
 
 
+@pytest.mark.slow
 def test_pytorchjob_nproc_per_node_spawns_the_pod_workers(h, tmp_path, probe):
     port = free_port()
     env = h.base_env(KUBERNETES_SERVICE_HOST="10.96.0.1", MASTER_ADDR="127.0.0.1",
@@ -74,6 +79,7 @@ def test_pytorchjob_nproc_per_node_spawns_the_pod_workers(h, tmp_path, probe):
     assert {i["MASTER_PORT"] for i in infos} == {str(port)} and infos[0]["sum"] == 1.0
 
 
+@pytest.mark.slow
 def test_mpirun_style_ranks(h, tmp_path, probe):
     """Open MPI's variables on one node: per-process, rank 0 on 127.0.0.1."""
     port = free_port()
@@ -100,6 +106,7 @@ def test_mpi_across_nodes_without_master_addr_is_a_usage_error(h, tmp_path, prob
         "(export MASTER_ADDR, or pass --master-addr)")
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_worker_runs_its_rank_in_place(h, tmp_path, probe):
     """`torchrun -m distrun run`: TorchElastic started the ranks; the agent hosts the store."""
     import subprocess

@@ -119,6 +119,7 @@ sys.exit(max(p.wait() for p in procs))
 """
 
 
+@pytest.mark.slow
 def test_a_rendered_sbatch_script_runs_under_srun(h, tmp_path, probe):
     """The per-node script, run by bash with an srun that fakes two nodes on this machine."""
     script = h.distrun("submit", "--slurm", "--nodes", "2", "--nproc-per-node", "2",

@@ -20,6 +20,7 @@ FLAGS = ("--max-epochs", "2", "--batch-size", "32", "--log-every-n-steps", "4", 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
+@pytest.mark.slow
 def test_pipe_gets_periodic_plain_lines(tmp_path):
     result = run_cli("run", "--name", "p", "--progress-interval", "0", *FLAGS, TASK,
                      cwd=tmp_path)
@@ -41,6 +42,7 @@ def test_pipe_gets_periodic_plain_lines(tmp_path):
     assert log.count("[progress] epoch") == 16
 
 
+@pytest.mark.slow
 def test_interval_thins_the_lines(tmp_path):
     result = run_cli("run", "--progress-interval", "3600", *FLAGS, TASK, cwd=tmp_path)
     assert result.returncode == 0, result
@@ -49,6 +51,7 @@ def test_interval_thins_the_lines(tmp_path):
     assert [ln.split(" | ")[1] for ln in lines] == ["step 1/16 (6%)", "step 16/16 (100%)"]
 
 
+@pytest.mark.slow
 def test_no_progress_brings_back_the_console_line(tmp_path):
     result = run_cli("run", "--no-progress", *FLAGS, TASK, cwd=tmp_path)
     assert result.returncode == 0, result
@@ -58,6 +61,7 @@ def test_no_progress_brings_back_the_console_line(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pty")
+@pytest.mark.slow
 def test_terminal_gets_a_rich_bar(tmp_path):
     cmd = shlex.join([sys.executable, "-m", "distrun", "run", "--name", "t", *FLAGS, TASK])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160", "TERM": "xterm"}
@@ -76,6 +80,7 @@ def test_terminal_gets_a_rich_bar(tmp_path):
     assert "16/16" not in (tmp_path / "runs" / "t" / "logs" / "rank0.log").read_text()
 
 
+@pytest.mark.slow
 def test_forced_bar_on_a_pipe(tmp_path):
     result = run_cli("run", "--progress-mode", "bar", *FLAGS, TASK, cwd=tmp_path)
     assert result.returncode == 0, result

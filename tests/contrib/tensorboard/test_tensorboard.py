@@ -53,6 +53,7 @@ def test_config_is_stored_as_text(finished_run):
     assert 'max_epochs = 2  # flag' in text
 
 
+@pytest.mark.slow
 def test_off_and_custom_dir(tmp_path):
     result = run_cli("run", "--name", "off", "--max-steps", "2", "--no-tensorboard",
                      "--no-summary", str(TASK), cwd=tmp_path)
@@ -71,6 +72,7 @@ def test_plugin_module_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_resume_purges_the_replayed_steps(tmp_path):
     pytest.importorskip("distrun_safetensors", reason="resuming needs a checkpoint plugin")
     common = ("run", "--name", "r", "--batch-size", "32", "--log-every-n-steps", "2",

@@ -80,6 +80,7 @@ def test_zero_with_join_on_uneven_inputs(zero_runs):
 
 @pytest.mark.skipif(importlib.util.find_spec("distrun_safetensors") is None,
                     reason="distrun-safetensors is not installed")
+@pytest.mark.slow
 def test_checkpoint_resume_with_zero_matches_an_uninterrupted_run(tmp_path):
     from distrun.testing import run_cli
 

@@ -118,6 +118,7 @@ def test_comm_hooks(ddp_runs, tmp_path):
     assert max((psgd["weights"][k] - reference[k]).abs().max().item() for k in reference) < 0.5
 
 
+@pytest.mark.slow
 def test_cli_ddp_two_ranks_matches_one_process(tmp_path):
     script = str(__import__("ddp_tasks").__file__)
     args = ["--batch-size", "16", "--max-steps", "6", "--seed", "3", "--grad-accum", "2"]

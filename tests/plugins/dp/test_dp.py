@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrun
-from distrun.testing import run_cli
 
 
 class Tiny(distrun.Task):

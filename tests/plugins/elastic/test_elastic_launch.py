@@ -123,6 +123,7 @@ def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
     assert ports["0"] != ports["1"]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
     # Rank 1 fails in both attempts; rank 0 is stopped by the agent and is not reported.
     result = run_cli("run", "--max-restarts", "1", "--nproc-per-node", "2",
@@ -139,6 +140,7 @@ def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
 
 
 @pytest.mark.parametrize("code, said", [(143, "exit 143 (requeue)"), (2, "")])
+@pytest.mark.slow
 def test_requeue_and_usage_error_exits_are_not_restarted(tmp_path, code, said):
     # 143: the workers saved a preemption checkpoint; 2: a usage error. Neither is retried.
     result = run_cli("run", "--max-restarts", "3", "--nproc-per-node", "2",

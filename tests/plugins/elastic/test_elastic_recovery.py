@@ -75,6 +75,7 @@ def test_ten_sigkills_in_a_row_each_restart_resumes_bit_identical(tmp_path, refe
     assert_same_weights(rec, reference)
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference):
     rec = tmp_path / "rec"
     # Rank 0 dies while committing step 6 (files written, folder not yet renamed into place).
@@ -90,6 +91,7 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, re
     assert_same_weights(rec, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_saves_exits_for_requeue_and_relaunch_resumes(tmp_path, reference):
     rec = tmp_path / "rec"
     args = ["--max-restarts", "3", *TRAIN, "--name", "pre", TASK]
@@ -120,6 +122,7 @@ def test_sigterm_to_launcher_saves_exits_for_requeue_and_relaunch_resumes(tmp_pa
     assert_same_weights(rec, reference)
 
 
+@pytest.mark.slow
 def test_stalled_rank_times_out_and_the_group_restarts(tmp_path, reference):
     rec = tmp_path / "rec"
     train = [a if a != "60" else "8" for a in TRAIN]  # --timeout 8
@@ -133,6 +136,7 @@ def test_stalled_rank_times_out_and_the_group_restarts(tmp_path, reference):
     assert_same_weights(rec, reference)
 
 
+@pytest.mark.slow
 def test_two_launchers_one_leaves_the_other_continues_alone(tmp_path, reference):
     rec = tmp_path / "rec"
     port = free_port()

@@ -89,6 +89,7 @@ def test_find_blocks_default_and_by_class_name() -> None:
         find_blocks(net, ["Nope"])
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_through_the_cli(tmp_path: Path) -> None:
     script = tmp_path / "bf16_task.py"
     script.write_text(
@@ -113,6 +114,7 @@ def test_bf16_mixed_precision_through_the_cli(tmp_path: Path) -> None:
     (["--fsdp-wrap", "Nope"], "--fsdp-wrap names Nope but the model has no module"),
     (["--fsdp-replicate-degree", "3"], "not divisible by 3"),
 ])
+@pytest.mark.slow
 def test_option_errors_are_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
     env = {**ONLY_FSDP, "TINY_GPT_CHARS": "3000"}
     res = run_cli("run", "--strategy", "fsdp", *flags, EXAMPLE, cwd=tmp_path, env=env)

@@ -102,6 +102,7 @@ def test_throw_on_early_termination_raises_on_both_ranks(join_runs):
     assert "join_throw_on_early_termination" in first
 
 
+@pytest.mark.slow
 def test_join_tutorial_example_completes(tmp_path):
     result = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--run-dir",
                      str(tmp_path / "run"), str(EXAMPLE), cwd=tmp_path)
@@ -114,6 +115,7 @@ def test_join_tutorial_example_completes(tmp_path):
     assert len(weights) == 1, lines  # both ranks end with the same parameters
 
 
+@pytest.mark.slow
 def test_without_the_plugin_uneven_inputs_end_in_a_clear_timeout(tmp_path):
     result = run_cli("-p", "no:join", "run", "--nproc-per-node", "2", "--strategy", "ddp",
                      "--timeout", "8", "--run-dir", str(tmp_path / "run"),

@@ -89,6 +89,7 @@ def async_run(tmp_path_factory):
     return tmp, result, out
 
 
+@pytest.mark.slow
 def test_async_batched_updates_match_one_process(async_run, reference):
     # Each trainer pushes the gradient of half the global batch; the server averages the two
     # pushes per update (--rpc-update-batch 2): the full batch's mean gradient.
@@ -103,6 +104,7 @@ def test_async_batched_updates_match_one_process(async_run, reference):
 
 
 @pytest.mark.skipif(not HAVE_SAFETENSORS, reason="needs distrun-safetensors")
+@pytest.mark.slow
 def test_resume_on_two_servers_restores_parameters_and_momentum(async_run, reference):
     # Resume the 1-server run's step-8 checkpoint with the parameters sharded over 2 servers:
     # parameters and SGD momentum come back by name through the state hooks, so the last 8
@@ -122,6 +124,7 @@ def test_resume_on_two_servers_restores_parameters_and_momentum(async_run, refer
     _assert_close(got["params"], reference, tol=1e-5)
 
 
+@pytest.mark.slow
 def test_rpc_ddp_remote_embedding_and_dense_ddp(tmp_path):
     result, out = _run(tmp_path, "--nproc-per-node", "3", "--strategy", "rpc",
                        script_args=("--hybrid",))
@@ -135,6 +138,7 @@ def test_rpc_ddp_remote_embedding_and_dense_ddp(tmp_path):
     _no_torch_notices(result)
 
 
+@pytest.mark.slow
 def test_dead_trainer_ends_the_run_naming_its_role(tmp_path):
     started = time.monotonic()
     result, _ = _run(tmp_path, "--nproc-per-node", "3", "--strategy", "rpc",
@@ -145,6 +149,7 @@ def test_dead_trainer_ends_the_run_naming_its_role(tmp_path):
     assert time.monotonic() - started < TIMEOUT
 
 
+@pytest.mark.slow
 def test_dead_server_ends_the_run_naming_its_role(tmp_path):
     result, _ = _run(tmp_path, "--nproc-per-node", "3", "--strategy", "rpc",
                      script_args=("--kill-server-step", "3"))

@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from distrun.testing import run_cli
@@ -27,6 +28,7 @@ def _train(run_dir: Path, *flags: str, **env: str):
                    "--run-dir", str(run_dir), *flags, TASK, env=_env(**env), timeout=400)
 
 
+@pytest.mark.slow
 def test_train_kill_resume_and_ckpt_commands(tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -90,6 +92,7 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
     assert "error: 1 of 1 checkpoint(s) failed verification" in bad.stderr
 
 
+@pytest.mark.slow
 def test_resume_latest_without_checkpoint_is_one_clear_error(tmp_path):
     result = run_cli("run", "--resume", "latest", "--run-dir", str(tmp_path / "empty"),
                      "--max-steps", "1", TASK, env=_env(), timeout=300)

@@ -120,6 +120,7 @@ def test_auto_plan_splits_attention_and_mlp_pairs() -> None:
     (["--strategy", "tp", "--tp-size", "2"],
      "--strategy tp splits layers over all 1 ranks but --tp-size is 2"),
 ])
+@pytest.mark.slow
 def test_tp_option_errors_are_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
     env = {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "DISTRUN_PLUGINS": PLUGINS,
            "TINY_GPT_CHARS": "3000"}
@@ -129,6 +130,7 @@ def test_tp_option_errors_are_one_line(tmp_path: Path, flags: list[str], message
     assert "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_fsdp_tp_degrees_must_divide_the_world(tmp_path: Path) -> None:
     pytest.importorskip("distrun_fsdp")
     env = {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "TINY_GPT_CHARS": "3000",
