@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from distrun._version import __version__
 from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.markers import hookimpl, hookspec
-from distrun.spec.options import Option
+from distrun.spec.options import Option, plugin_options
 from distrun.spec.stash import Stash, StashKey
 from distrun.spec.strategy import StrategyInfo
 
@@ -35,6 +35,7 @@ __all__ = [
     "fit",
     "hookimpl",
     "hookspec",
+    "plugin_options",
 ]
 
 _LAZY = {

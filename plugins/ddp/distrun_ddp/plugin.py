@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from distrun import StrategyInfo, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StrategyInfo, hookimpl, plugin_options
 
 #: communication hooks ``--ddp-comm-hook`` accepts
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")

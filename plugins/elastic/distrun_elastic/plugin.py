@@ -6,8 +6,7 @@ The launch hook answers only when the config asks for elasticity (see
 
 from __future__ import annotations
 
-from distrun import hookimpl
-from distrun.spec.options import plugin_options
+from distrun import hookimpl, plugin_options
 
 PLUGIN = "elastic"
 

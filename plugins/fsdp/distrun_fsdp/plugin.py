@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from distrun import StrategyInfo, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StrategyInfo, hookimpl, plugin_options
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StrategyInfo, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StrategyInfo, hookimpl, plugin_options
 
 PLUGIN = "rpc"
 

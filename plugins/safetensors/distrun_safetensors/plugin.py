@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distrun import StashKey, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StashKey, hookimpl, plugin_options
 
 PLUGIN = "safetensors"
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer

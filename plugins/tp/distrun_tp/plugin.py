@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, StrategyInfo, UsageError, hookimpl
+from distrun import StashKey, StrategyInfo, UsageError, hookimpl, plugin_options
 from distrun.spec.keys import DEVICE_MESH
-from distrun.spec.options import plugin_options
 
 #: set once the model was parallelized over the mesh's "tp" dimension
 _APPLIED: StashKey[bool] = StashKey("tp.applied")

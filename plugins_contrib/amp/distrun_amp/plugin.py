@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun import StashKey, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StashKey, hookimpl, plugin_options
 
 if TYPE_CHECKING:
     from distrun_amp.precision import MixedPrecision

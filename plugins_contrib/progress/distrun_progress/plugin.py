@@ -12,9 +12,8 @@ import os
 import sys
 from typing import Any
 
-from distrun import StashKey, hookimpl
+from distrun import StashKey, hookimpl, plugin_options
 from distrun.spec.keys import CONSOLE_OWNER
-from distrun.spec.options import plugin_options
 from distrun_progress.display import TTY_ENV, make_display
 
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, hookimpl
-from distrun.spec.options import plugin_options
+from distrun import StashKey, hookimpl, plugin_options
 
 _KEY: StashKey[Any] = StashKey("tensorboard")  # the SummaryWriter, rank 0 only
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl
-from distrun.spec.options import plugin_options
+from distrun import hookimpl, plugin_options
 
 
 @hookimpl
