@@ -154,20 +154,22 @@ def build_cli(pm: Any) -> click.Group:
 
 
 def _worker_command(target: str, args: list[str], as_module: bool) -> list[str]:
-    py = [sys.executable, "-u"]
+    # Every target runs inside the worker entry point: it dies with the launcher and tears
+    # down a process group the target left behind before Python finalizes.
+    py = [sys.executable, "-u", "-m", "distrun.train.worker"]
     if as_module:
-        return [*py, "-m", target, *args]
+        return [*py, "--module", target, *args]
     if target.endswith(".py"):
         if not os.path.isfile(target):
             raise UsageError(f"script not found: {target} (check the path)")
-        return [*py, target, *args]
+        return [*py, "--script", target, *args]
     if ":" in target:
         path = target.rpartition(":")[0]
         if path.endswith(".py") and not os.path.isfile(path):
             raise UsageError(f"task file not found: {path} (check the path before ':')")
-        return [*py, "-m", "distrun.train.worker", target, *args]
-    if os.path.isfile(target):
         return [*py, target, *args]
+    if os.path.isfile(target):
+        return [*py, "--script", target, *args]
     raise UsageError(
         f"target not found: {target} (give a script path, -m MODULE, or pkg.module:Task)"
     )

@@ -22,6 +22,7 @@ from typing import IO, Any, cast
 
 from distrun.config.run_config import RunConfig
 from distrun.launch.exits import exit_code
+from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.ports import check_port, free_port
 from distrun.launch.relay import Relay, new_tail, report_failure
 from distrun.spec.errors import UsageError
@@ -79,8 +80,10 @@ class WorkerGroup:
         self.workers: list[_Worker] = []
         self.stopping_since: float | None = None
         for rank, env in zip(ranks, envs):
+            # The worker asks for SIGKILL at this (main) thread's death (launch.lifeline).
             proc = subprocess.Popen(
-                self.command, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                self.command, env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, bufsize=1, text=True, errors="replace",
             )
             worker = _Worker(rank, proc)

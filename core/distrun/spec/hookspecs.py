@@ -105,7 +105,8 @@ def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str
     returns None otherwise; the core's local launcher runs last.
 
     :param config: the resolved run config (``config.nproc_per_node`` etc.).
-    :param command: the worker command line (python, script or ``-m distrun.train.worker``, args).
+    :param command: the worker command line (``python -u -m distrun.train.worker`` and the
+        target with its arguments).
     :param environ: the base environment for workers (``DISTRUN_CONFIG`` included); the launcher
         adds torchrun's variables per worker.
     :return: the exit code of the run (the first failing worker's, else 0).

@@ -79,6 +79,11 @@ class BaseStrategy:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]))
         return tensor
 
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Any:
+        if self.distributed:
+            return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _OPS[op]), async_op=True)
+        return None
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

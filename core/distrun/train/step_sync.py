@@ -38,7 +38,7 @@ class StepSync(Joinable):
     def __init__(self, run: Run) -> None:
         super().__init__()
         self.run = run
-        self.collective = run.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.strategy = run.strategy
         self._vote = torch.zeros(1, dtype=torch.float64, device=run.strategy.device)
         self._pending: Any = None
         #: what the ranks agreed on at the last boundary (NONE, FINISH or PREEMPT)
@@ -58,23 +58,19 @@ class StepSync(Joinable):
 
     def boundary(self) -> int:
         """At a step boundary: the result of the previous vote, and this step's vote sent."""
-        if not self.collective:
-            self.agreed = self.local_request()
-            return self.agreed
         agreed = self._collect()
         if agreed == NONE:
-            self._vote.fill_(float(self.local_request()))
-            self._pending = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, async_op=True)
+            local = self.local_request()
+            self._vote.fill_(float(local))
+            self._pending = self.strategy.all_reduce_async(self._vote, "max")
+            if self._pending is None:  # one process: nobody to agree with
+                agreed = local
         self.agreed = agreed
         return agreed
 
     def drain(self) -> int:
         """Wait for the vote in flight (end of an epoch or of the fit); return the agreement."""
-        if self.collective:
-            agreed = self._collect()
-            self.agreed = max(self.agreed, agreed)
-        else:
-            self.agreed = max(self.agreed, self.local_request())
+        self.agreed = max(self.agreed, self._collect())
         return self.agreed
 
     def _collect(self) -> int:
@@ -126,7 +122,7 @@ class _Shadow(JoinHook):
             sync.agreed = max(sync.agreed, agreed)
         else:
             sync._vote.zero_()
-            sync._pending = dist.all_reduce(sync._vote, op=dist.ReduceOp.MAX, async_op=True)
+            sync._pending = sync.strategy.all_reduce_async(sync._vote, "max")
         if self.step % sync.log_every == 0 and sync.log_metrics is not None:
             sync.log_metrics(self.step)  # this rank's window is empty: it adds zeros
 

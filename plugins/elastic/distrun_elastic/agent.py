@@ -37,6 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from distrun.launch.exits import exit_code
+from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
 from distrun.train.run import EXIT_REQUEUE
@@ -161,6 +162,9 @@ def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     # The agent's workers inherit this process's environment (torch's SubprocessHandler).
     os.environ.update(environ)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # torch's SubprocessHandler starts the workers from this process's main thread: they die
+    # with it (the worker entry point calls distrun.launch.lifeline.die_with_launcher).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _FORWARDED
     if plan.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")

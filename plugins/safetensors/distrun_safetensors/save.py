@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from distrun.launch.lifeline import launcher_alive
 from distrun_safetensors import comm
 from distrun_safetensors.files import (
     CheckpointError,
@@ -257,6 +258,8 @@ class Checkpointer:
         write_json(os.path.join(tmp, MANIFEST), manifest)
         fsync_dir(tmp)
         durable("tmp folder synced")
+        if not launcher_alive():  # an orphan (its launcher was killed) never commits
+            raise CheckpointError("the launcher is gone: this run was stopped")
         if os.path.exists(final):  # same step saved before (e.g. a resumed run): replace it
             old = os.path.join(self.directory, f".old-{os.path.basename(final)}-"
                                                f"{uuid.uuid4().hex[:8]}")
