@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,17 @@ from distrun.testing import run_cli
 
 SPEC_NAMES = sorted(n for n, f in vars(hookspecs).items()
                     if n.startswith("distrun_") and callable(f))
-EXERCISED: set[str] = set()  # filled by the runs below, checked by the meta-test (runs last)
+HERE = Path(__file__).resolve().parent
+TINY = str(HERE / "tiny_task.py")
+
+#: the recorded runs of this module: name -> (flags, extra environment)
+RUNS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "order": (("--max-steps", "5", "--log-every-n-steps", "2", "--val-every-n-steps", "4",
+               "--grad-accum", "2", "--resume", "auto"), {}),
+    "epochs": (("--max-epochs", "2", "--batch-size", "64"), {}),
+    "exception": ((), {"TINY_RAISE_AT": "3"}),
+    "preempt": (("--max-epochs", "3"), {"TINY_SIGTERM_AT": "3"}),
+}
 
 
 def records(folder: Path) -> list[dict]:
@@ -37,19 +49,30 @@ def short(name: str) -> str:
     return name.removeprefix("distrun_")
 
 
-def run_recorded(tmp_path, recorder_env, tiny_script, *flags, extra_env=None):
-    env = {**recorder_env, **(extra_env or {})}
-    result = run_cli("run", "--run-dir", str(tmp_path / "run"), *flags, tiny_script,
-                     cwd=tmp_path, env=env)
-    recs = records(Path(recorder_env["RECORD_DIR"]))
-    EXERCISED.update(r["hook"].split(":")[0] for r in recs)
-    return result, recs
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
+    """``recorded(name)``: the ``distrun run`` of ``RUNS[name]`` under the recorder plugin,
+    as ``(result, records)``; each run happens once per module, whichever test asks first."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            flags, extra_env = RUNS[name]
+            cwd = tmp_path_factory.mktemp(f"hooks_{name}")
+            rec = cwd / "rec"
+            rec.mkdir()
+            env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+                   "DISTRUN_PLUGINS": "recorder_plugin", "RECORD_DIR": str(rec), **extra_env}
+            result = run_cli("run", "--run-dir", str(cwd / "run"), *flags, TINY, cwd=cwd,
+                             env=env)
+            cache[name] = result, records(rec)
+        return cache[name]
+
+    return get
 
 
-def test_hooks_fire_in_documented_order(tmp_path, recorder_env, tiny_script):
-    result, recs = run_recorded(tmp_path, recorder_env, tiny_script, "--max-steps", "5",
-                                "--log-every-n-steps", "2", "--val-every-n-steps", "4",
-                                "--grad-accum", "2", "--resume", "auto")
+def test_hooks_fire_in_documented_order(recorded):
+    result, recs = recorded("order")
     assert result.returncode == 0, result
     launcher = [short(r["hook"]) for r in recs if r["rank"] == -1]
     worker = [short(r["hook"]) for r in recs if r["rank"] == 0]
@@ -82,9 +105,8 @@ def test_hooks_fire_in_documented_order(tmp_path, recorder_env, tiny_script):
 
 
 @pytest.mark.slow
-def test_epoch_end_and_fit_end_order(tmp_path, recorder_env, tiny_script):
-    result, recs = run_recorded(tmp_path, recorder_env, tiny_script, "--max-epochs", "2",
-                                "--batch-size", "64")
+def test_epoch_end_and_fit_end_order(recorded):
+    result, recs = recorded("epochs")
     assert result.returncode == 0, result
     seq = squeeze([short(r["hook"]) for r in recs if r["rank"] == 0])
     assert [r["epoch"] for r in recs if r["hook"] == "distrun_on_epoch_end"] == [0, 1]
@@ -94,9 +116,8 @@ def test_epoch_end_and_fit_end_order(tmp_path, recorder_env, tiny_script):
     assert "load_checkpoint" not in seq  # --resume never (the default) loads nothing
 
 
-def test_exception_hook_and_exit_code(tmp_path, recorder_env, tiny_script):
-    result, recs = run_recorded(tmp_path, recorder_env, tiny_script,
-                                extra_env={"TINY_RAISE_AT": "3"})
+def test_exception_hook_and_exit_code(recorded):
+    result, recs = recorded("exception")
     assert result.returncode == 1, result
     assert "boom at micro-step 3" in result.stderr
     assert "rank 0 failed with exit code 1" in result.stderr
@@ -106,9 +127,8 @@ def test_exception_hook_and_exit_code(tmp_path, recorder_env, tiny_script):
 
 
 @pytest.mark.slow
-def test_preempt_saves_and_exits_for_requeue(tmp_path, recorder_env, tiny_script):
-    result, recs = run_recorded(tmp_path, recorder_env, tiny_script, "--max-epochs", "3",
-                                extra_env={"TINY_SIGTERM_AT": "3"})
+def test_preempt_saves_and_exits_for_requeue(recorded):
+    result, recs = recorded("preempt")
     assert result.returncode == 143, result
     seq = [short(r["hook"]) for r in recs if r["rank"] == 0]
     i = seq.index("on_preempt")
@@ -138,9 +158,9 @@ def test_recorder_implements_every_hookspec():
     assert not missing, f"recorder_plugin lacks {missing}"
 
 
-def test_every_hookspec_is_exercised():
-    """Meta-test: the runs above called every hook (a new spec needs a test that fires it)."""
-    if len(EXERCISED) == 0:
-        pytest.fail("run the whole module: the recording runs fill EXERCISED")
-    missing = sorted(set(SPEC_NAMES) - EXERCISED)
+@pytest.mark.slow  # it needs every recorded run, the slow ones included
+def test_every_hookspec_is_exercised(recorded):
+    """Meta-test: the module's runs call every hook (a new spec needs a run that fires it)."""
+    exercised = {r["hook"].split(":")[0] for name in RUNS for r in recorded(name)[1]}
+    missing = sorted(set(SPEC_NAMES) - exercised)
     assert not missing, f"hookspecs no test exercised: {missing}"
