@@ -23,7 +23,8 @@ import pytest
 
 from distrun.launch.ports import free_port
 
-__all__ = ["CliResult", "distrun_cli", "distrun_pm", "free_port", "run_cli", "run_on_ranks"]
+__all__ = ["CliResult", "busy_cores", "distrun_cli", "distrun_pm", "free_port", "run_cli",
+           "run_on_ranks"]
 
 
 @dataclass
@@ -167,3 +168,22 @@ def distrun_cli(tmp_path: Any) -> Callable[..., CliResult]:
         return run_cli(*args, **kwargs)
 
     return call
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[int]:
+    """One CPU-bound process per core while the test runs; yields their count.
+
+    Signal, stop and process-lifecycle tests run under it: races that a quiet machine hides
+    (a rank seeing a stop request a step late, a worker outliving its launcher) show under load.
+    """
+    count = os.cpu_count() or 1
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(count)]
+    try:
+        yield count
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
