@@ -58,7 +58,7 @@ _PLUGIN = '''\
 
 Keep this module torch-free at import time (`distrun --help` and `distrun plugins`
 load it): import torch inside hook bodies, or keep torch code in another module.
-The hooks and their contracts: `python -c "import distrun.spec.hookspecs as h; help(h)"`.
+The hooks and their contracts: `python -m pydoc distrun.spec.hookspecs`.
 """
 
 from __future__ import annotations
