@@ -100,7 +100,7 @@ def test_dash_p_no_blocks_the_plugin(installed_plugin, tmp_path, tiny_script):
     assert "hello" not in listed.stdout
     result = run_cli("-p", "no:hello", "run", "--strategy", "hello", tiny_script, env=env)
     assert result.returncode == 2
-    assert "unknown strategy 'hello'" in result.stderr
+    assert "strategy 'hello' comes from plugin 'hello', which is blocked" in result.stderr
     # Blocked in workers too: the marker hook never runs there.
     marker = tmp_path / "m.txt"
     ok = run_cli("-p", "no:hello", "run", "--max-steps", "1", "--run-dir",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -12,7 +14,13 @@ from typing import Any
 import click
 
 from distrun._version import __version__
-from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
+from distrun.config.run_config import (
+    CONFIG_ENV,
+    RunConfig,
+    fresh_run_folder,
+    resolve_config,
+    with_values,
+)
 from distrun.registry.collect import (
     apply_cluster_env,
     choose_strategy,
@@ -72,8 +80,8 @@ def _scan_plugin_flags(argv: Sequence[str]) -> tuple[list[str], list[str], bool]
 def _option_to_click(opt: Any) -> click.Option:
     names = [opt.flag, *opt.aliases]
     if opt.type is bool:
-        return click.Option([f"{opt.flag}/--no-{opt.flag[2:]}"], default=None, help=opt.help,
-                            hidden=opt.hidden)
+        return click.Option([f"{opt.flag}/--no-{opt.flag[2:]}", *opt.aliases], default=None,
+                            help=opt.help, hidden=opt.hidden)
     help_text = opt.help
     if opt.default not in (None, ""):
         help_text += f"  [default: {opt.default}]"
@@ -81,6 +89,90 @@ def _option_to_click(opt: Any) -> click.Option:
         help_text += f"  [choices: {', '.join(map(str, opt.choices))}]"
     return click.Option(names, default=None, help=help_text, hidden=opt.hidden,
                         metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
+
+
+#: torchrun flags distrun does not carry out, and why (said in one line, exit 2)
+UNSUPPORTED_TORCHRUN = {
+    "--logs-specs": "custom LogsSpecs classes are torch's agent's; distrun relays output itself "
+                    "(use --log-dir, --redirects, --local-ranks-filter)",
+    "--event-log-handler": "torch's event log handlers are not wired into distrun's launcher",
+    "--numa-binding": "NUMA binding is not supported (bind with numactl around `distrun run`)",
+    "--virtual-local-rank": "every worker sees its own LOCAL_RANK (no virtual local rank)",
+    "--duplicate-stdout-filters": "output filters are not supported (filter with grep)",
+    "--duplicate-stderr-filters": "output filters are not supported (filter with grep)",
+    "--local-addr": "the local launcher binds 127.0.0.1 on one node and --master-addr across "
+                    "nodes (give --master-addr, or --rdzv-endpoint with distrun-elastic)",
+    "--shutdown-timeout": "the stop grace is fixed at 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+                          "sets it under distrun-elastic)",
+}
+#: torchrun's stream choices for --tee N / -t N (distrun's --tee is a switch)
+_STD_VALUE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
+
+
+def is_task_target(target: str, as_module: bool = False) -> bool:
+    """``pkg.module:Task`` or ``file.py:Task`` (not a script path, not ``-m``)."""
+    return not as_module and ":" in target and not target.endswith(".py") \
+        and not os.path.isfile(target)
+
+
+class RunCommand(click.Command):
+    """``distrun run``: torchrun's spellings are read here, before click parses.
+
+    - ``--tee N`` / ``-t N`` with torchrun's values becomes distrun's ``--tee`` switch (N > 0)
+      or ``--no-tee`` (0); ``--tee`` alone stays the switch;
+    - options after a Task target (``train.py:Task --max-epochs 5``) are run options, as if
+      they came before it; after a script or ``-m MODULE`` they stay the script's.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value = {}
+        for param in self.params:
+            if isinstance(param, click.Option):
+                for name in (*param.opts, *param.secondary_opts):
+                    takes_value[name] = not param.is_flag
+        out: list[str] = []
+        i, as_module = 0, False
+        while i < len(args):
+            arg = args[i]
+            name = arg.split("=", 1)[0]
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if arg == "--":
+                out.extend(args[i:])
+                return super().parse_args(ctx, out)
+            if name in UNSUPPORTED_TORCHRUN or name.replace("_", "-") in UNSUPPORTED_TORCHRUN:
+                flag = name.replace("_", "-")
+                raise click.UsageError(f"torchrun's {flag} is not supported by distrun: "
+                                       f"{UNSUPPORTED_TORCHRUN[flag]}", ctx)
+            if name in ("--tee", "-t"):
+                value = arg.partition("=")[2] if "=" in arg else None
+                if value is None and nxt is not None and _STD_VALUE.match(nxt):
+                    value, i = nxt, i + 1
+                if value is not None and not _STD_VALUE.match(value):
+                    raise click.UsageError(
+                        f"invalid value for --tee: {value!r} (torchrun's values: 0-3 or "
+                        "LOCAL_RANK:N,...; or --tee alone to prefix each line with its rank)",
+                        ctx)
+                on = value is None or any(p.rsplit(":", 1)[-1] != "0" for p in value.split(","))
+                out.append("--tee" if on else "--no-tee")
+                i += 1
+                continue
+            if arg.startswith("-") and arg != "-":
+                if name in ("-m", "--module"):
+                    as_module = True
+                out.append(arg)
+                if "=" not in arg and takes_value.get(name) and nxt is not None:
+                    out.append(nxt)
+                    i += 1
+                i += 1
+                continue
+            # the target: what follows is the script's, unless the target is a Task
+            rest = args[i + 1:]
+            if is_task_target(arg, as_module) and rest and rest[0] != "--":
+                out.extend([*rest, arg])
+            else:
+                out.extend([arg, *rest])
+            return super().parse_args(ctx, out)
+        return super().parse_args(ctx, out)
 
 
 def build_cli(pm: Any) -> click.Group:
@@ -98,7 +190,7 @@ def build_cli(pm: Any) -> click.Group:
     options = collect_options(pm)
 
     @click.command(
-        "run",
+        "run", cls=RunCommand,
         context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False},
         help="Launch TARGET on this node's workers. TARGET is a script (a torchrun script runs "
              "unchanged), -m MODULE, or pkg.module:Task / file.py:Task.",
@@ -182,36 +274,87 @@ def _default_name(target: str) -> str:
 
 
 def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
-                    flags: dict[str, Any]) -> RunConfig:
+                    flags: dict[str, Any], as_module: bool = False) -> RunConfig:
     """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
     config = resolve_config(options, flags=flags, config_file=config_file)
     config = apply_cluster_env(pm, config, dict(os.environ))
     from distrun.launch.local import resolve_nproc
 
+    if config.standalone and config.nnodes not in ("1", "1:1"):
+        raise UsageError(f"--standalone runs on one node but --nnodes is {config.nnodes} "
+                         "(drop one of them)")
     # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
     if config.strategy != "auto":
         world = None
         if config.nnodes.isdigit():
             world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
-        info = choose_strategy(config, world, collect_strategies(pm))
+        info = choose_strategy(config, world, collect_strategies(pm), pm.is_blocked)
         if world is not None and world > 1 and not info.multi_process:
             raise UsageError(
                 f"strategy '{info.name}' runs in one process but {world} were asked for "
                 f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
             )
-    # Fill only what the user left out, so flags keep "flag" as their recorded source.
+    # Fill only what the user left out, so flags keep "flag" as their recorded source. A plain
+    # script gets a name (its workers agree on it) but a run folder only when one was asked
+    # for; a Task target always has one. A script that calls distrun.fit() makes its own.
     fill = {}
     if not config.name:
         fill["name"] = _default_name(target)
-    if not config.run_dir:
+    asked = any(k in config.sources for k in ("name", "run_dir"))
+    if not config.run_dir and (asked or is_task_target(target, as_module)):
         fill["run_dir"] = os.path.join("runs", config.name or fill["name"])
-    return with_values(config, **fill) if fill else config
+    config = with_values(config, **fill) if fill else config
+    # One launcher decides alone only on one node: launchers of several nodes (or one per rank,
+    # under srun or torchrun) would each see the others' folder and choose differently.
+    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
+    if config.nnodes in ("1", "1:1") and not getattr(cluster, "per_process", False):
+        config = fresh_run_folder(config, say=True)
+    return config
+
+
+def _check_syntax(path: str) -> None:
+    """A script that does not compile is said in one line before any worker starts."""
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        text = (exc.text or "").strip()
+        where = f"{path}:{exc.lineno}" if exc.lineno else path
+        raise UsageError(f"{where}: {exc.msg}" + (f": {text}" if text else "") +
+                         " (fix the script; no worker was started)") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+
+
+def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -> list[str]:
+    """The workers' command line: torchrun's --no-python and --run-path included."""
+    if config.no_python:
+        if as_module or config.run_path:
+            raise UsageError("--no-python runs TARGET as an executable: it cannot go with "
+                             f"{'-m/--module' if as_module else '--run-path'} (as under torchrun)")
+        if is_task_target(target):
+            raise UsageError(f"--no-python runs an executable, but {target} is a Task (drop "
+                             "--no-python)")
+        exe = target if os.sep in target else shutil.which(target) or target
+        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise UsageError(f"--no-python: {target} is not an executable file (check the path "
+                             "and its x bit, or drop --no-python for a Python script)")
+        return [target, *args]
+    if config.run_path and as_module:
+        raise UsageError("--run-path runs a script file: it cannot go with -m/--module "
+                         "(as under torchrun)")
+    command = _worker_command(target, args, as_module)
+    script = target.rpartition(":")[0] if is_task_target(target, as_module) else target
+    if not as_module and os.path.isfile(script):
+        _check_syntax(script)
+    return command
 
 
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
            config_file: str | None, flags: dict[str, Any]) -> int:
-    command = _worker_command(target, args, as_module)
-    config = launcher_config(pm, options, target, config_file, flags)
+    config = launcher_config(pm, options, target, config_file, flags, as_module)
+    command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
     blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
@@ -247,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
     except click.UsageError as exc:
         message = exc.format_message().replace("\n", " ")
-        print(f"error: {message}{_plugin_hint(exc)} (see `distrun run --help`)",
+        where = exc.ctx.command_path if exc.ctx is not None else "distrun run"
+        print(f"error: {message}{_plugin_hint(exc)} (see `{where} --help`)",
               file=sys.stderr)
         sys.exit(2)
     except DistrunError as exc:

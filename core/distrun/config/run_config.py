@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,19 +20,69 @@ from typing import Any
 from distrun.spec.errors import UsageError, suggest
 from distrun.spec.options import Option, coerce
 
-__all__ = ["RunConfig", "core_options", "resolve_config", "CONFIG_ENV"]
+__all__ = ["RunConfig", "core_options", "fresh_run_folder", "resolve_config", "CONFIG_ENV"]
 
 #: the launcher hands the resolved explicit values to workers in this variable (JSON)
 CONFIG_ENV = "DISTRUN_CONFIG"
 
 
+#: torchrun's ``--nproc-per-node`` words: a device count, this machine's CPUs, or either
+NPROC_WORDS = ("auto", "cpu", "gpu")
+#: the signals torchrun's agent handles (exported as TORCHELASTIC_SIGNALS_TO_HANDLE)
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+_STD = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
+
+
 def _nproc(value: str) -> int | str:
-    if value == "auto":
+    if value in NPROC_WORDS:
         return value
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError("is not a number of processes (use N >= 1, cpu, gpu or auto)") from None
     if n < 1:
-        raise ValueError("must be at least 1 or 'auto'")
+        raise ValueError("is too few: start at least 1 process (or use cpu, gpu or auto)")
     return n
+
+
+def _std(value: str) -> str:
+    """torchrun's ``--redirects``/``--tee`` value: 0-3, or LOCAL_RANK:N,... per rank."""
+    value = value.strip()
+    if not _STD.match(value):
+        raise ValueError("is not a torchrun stream choice (0 none, 1 stdout, 2 stderr, 3 both; "
+                         "or per local rank, e.g. 0:3,1:0)")
+    return value
+
+
+def _ranks_filter(value: str) -> str:
+    value = value.strip()
+    if not value:
+        return ""  # every rank
+    try:
+        ranks = [int(r) for r in value.split(",")]
+    except ValueError:
+        raise ValueError("is not a comma-separated list of local ranks (e.g. 0 or 0,1)") from None
+    if any(r < 0 for r in ranks):
+        raise ValueError("names a negative local rank")
+    return ",".join(map(str, ranks))
+
+
+def _signals(value: str) -> str:
+    import signal
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals)]
+    if bad or not names:
+        raise ValueError(f"names no signal{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                         f"(use names such as {DEFAULT_SIGNALS})")
+    return ",".join(names)
+
+
+def _run_name(value: str) -> str:
+    if "/" in value or "\\" in value or value in (".", "..") or ".." in value:
+        raise ValueError("must be a plain folder name: no '/', '\\' or '..' (use --run-dir "
+                         "PATH to put the run folder elsewhere)")
+    return value
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -54,25 +105,57 @@ class RunConfig:
     log_every_n_steps: int = _opt(10, "reduce and log metrics every N steps", min=1)
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
     device: str = _opt("auto", "device type", choices=("auto", "cpu", "cuda"))
+    nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
+                                      "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
                                "'latest' (the same, but one must exist) or a PATH")
-    name: str = _opt("", "run name (default: the script's name and the start time)")
-    run_dir: str = _opt("", "run folder (default: runs/NAME)")
+    name: str = _opt("", "run name (default: the script's name and the start time)",
+                     parse=_run_name)
+    run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
+                            "only when asked: --name or --run-dir)")
     summary: bool = _opt(True, "print the model summary table on rank 0")
     debug: bool = _opt(False, "show tracebacks for user errors")
     # --- launcher ------------------------------------------------------------------------
     nproc_per_node: Any = _opt(
-        1, "worker processes on this node (or 'auto')", parse=_nproc,
-        aliases=("--nproc_per_node",), metavar="N|auto", type=str,
+        1, "worker processes on this node; cpu: one per CPU, gpu: one per GPU, auto: per GPU "
+           "if there are any, else per CPU", parse=_nproc,
+        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str,
     )
     nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)")
     node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",))
     master_addr: str = _opt("127.0.0.1", "address of rank 0's node",
                             aliases=("--master_addr",))
-    master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0,
+    master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0, max=65535,
                             aliases=("--master_port",))
-    tee: bool = _opt(False, "prefix each worker line with its rank")
+    tee: bool = _opt(False, "prefix each worker line with its rank (torchrun's --tee N, N>0, "
+                            "means the same)")
+    # --- torchrun's other launcher flags, with torchrun's meaning ----------------------------
+    standalone: bool = _opt(False, "one node, rendezvous on 127.0.0.1 and a free port (what "
+                                   "distrun does anyway on one node)")
+    log_dir: str = _opt("", "write each rank's output to DIR/rank<N>.log and torch's error "
+                            "files to DIR/rank<N>.error.json", aliases=("--log_dir",),
+                        metavar="DIR")
+    redirects: str = _opt("0", "torchrun's --redirects: streams (1 stdout, 2 stderr, 3 both, or "
+                               "LOCAL_RANK:N,...) that go only to the log files, not the console",
+                          parse=_std, aliases=("-r",), metavar="N")
+    local_ranks_filter: str = _opt("", "show only these local ranks' output on the console "
+                                       "(all of it still goes to the log files)",
+                                   parse=_ranks_filter, aliases=("--local_ranks_filter",),
+                                   metavar="R,...")
+    role: str = _opt("default", "worker role, exported as ROLE_NAME")
+    start_method: str = _opt("spawn", "how torchrun starts function entry points; scripts "
+                                      "always start as new processes, as under torchrun",
+                             choices=("spawn", "fork", "forkserver"),
+                             aliases=("--start_method",))
+    no_python: bool = _opt(False, "run TARGET as an executable, not a Python script",
+                           aliases=("--no_python",))
+    run_path: bool = _opt(False, "run TARGET with runpy.run_path (as torchrun --run-path)",
+                          aliases=("--run_path",))
+    signals_to_handle: str = _opt(DEFAULT_SIGNALS, "signals the workers are told to handle "
+                                                   "(TORCHELASTIC_SIGNALS_TO_HANDLE)",
+                                  parse=_signals, aliases=("--signals_to_handle",),
+                                  metavar="SIG,...")
     # --- plugin options and provenance (not flags) ---------------------------------------
     plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -201,6 +284,11 @@ def _read_toml(path: str, opts: Mapping[str, Option]) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise UsageError(f"config file not found: {path} (check the --config path)") from None
+    except IsADirectoryError:
+        raise UsageError(f"--config {path} is a folder; give the TOML file itself (e.g. "
+                         f"{os.path.join(path, 'config.toml')})") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
     # A [distrun] table or top-level keys; plugin tables ([ddp]) flatten to ddp_<key>.
@@ -228,6 +316,11 @@ def _check(config: RunConfig) -> None:
             f"--resume {config.resume}: no such checkpoint "
             "(use 'auto', 'latest', 'never' or an existing path)"
         )
+    if config.resume not in ("never", "auto", "latest") and not os.path.isdir(config.resume):
+        raise UsageError(
+            f"--resume {config.resume} is a file; give a checkpoint folder (step-N), a "
+            "checkpoints folder or a run folder"
+        )
     nnodes = config.nnodes
     parts = nnodes.split(":")
     if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)):
@@ -237,6 +330,48 @@ def _check(config: RunConfig) -> None:
             f"--node-rank {config.node_rank} is out of range for --nnodes {nnodes} "
             f"(use 0..{int(nnodes) - 1})"
         )
+
+
+def _continues(config: RunConfig) -> bool:
+    """True when the run picks up an earlier one in the same folder (its checkpoints)."""
+    # --max-restarts (distrun-elastic) resumes every start from the folder's checkpoints, a
+    # requeued job included.
+    return config.resume != "never" or bool(config.get("max_restarts", 0))
+
+
+def fresh_run_folder(config: RunConfig, say: bool = False) -> RunConfig:
+    """``config`` with a run folder no earlier run has written into.
+
+    A folder that exists and holds anything belongs to an earlier run: this one gets
+    ``NAME-2`` (``-3``, ...) beside it, unless it continues that run (``--resume`` other than
+    never, or restarts). ``say`` prints one line about the move.
+    """
+    run_dir = config.run_dir
+    if not run_dir or _continues(config) or not _used(run_dir):
+        return config
+    n = 2
+    while _used(f"{run_dir}-{n}"):
+        n += 1
+    values: dict[str, Any] = {"run_dir": f"{run_dir}-{n}"}
+    if config.name and os.path.basename(os.path.normpath(run_dir)) == config.name:
+        values["name"] = f"{config.name}-{n}"
+    if say:
+        print(f"distrun: {run_dir} holds an earlier run; this run writes {values['run_dir']} "
+              "(--resume auto continues the earlier one)", file=sys.stderr, flush=True)
+    sources = {k: config.sources.get(k, "launcher") for k in values}
+    out = config
+    for key, value in values.items():
+        out = with_values(out, source=sources[key], **{key: value})
+    return out
+
+
+def _used(path: str) -> bool:
+    try:
+        return bool(os.listdir(path))
+    except NotADirectoryError:
+        return True
+    except OSError:
+        return False
 
 
 def with_values(config: RunConfig, source: str = "launcher", **values: Any) -> RunConfig:

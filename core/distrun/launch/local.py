@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
-from distrun.config.run_config import RunConfig
+from distrun.config.run_config import DEFAULT_SIGNALS, NPROC_WORDS, RunConfig
 from distrun.launch.exits import exit_code
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.ports import check_port, free_port
@@ -34,31 +36,107 @@ STOP_GRACE = 30.0
 
 
 def resolve_nproc(value: Any) -> int:
-    if value != "auto":
+    """torchrun's ``--nproc-per-node``: N, ``cpu``, ``gpu`` (an error without one) or ``auto``."""
+    if value not in NPROC_WORDS:
         return int(value)
-    try:
-        import torch
+    if value != "cpu":
+        try:
+            import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    except ImportError:  # pragma: no cover
-        pass
+            if torch.cuda.is_available():
+                return torch.cuda.device_count()
+        except ImportError:  # pragma: no cover
+            pass
+        if value == "gpu":
+            raise UsageError("--nproc-per-node gpu: no CUDA device is visible (use a number, "
+                             "cpu or auto)")
     return os.cpu_count() or 1
 
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
                  node_rank: int, nnodes: int, master_addr: str, master_port: int,
-                 run_id: str, restart_count: int = 0, max_restarts: int = 0) -> dict[str, str]:
-    """The variables torchrun gives a worker (see torch.distributed.run)."""
-    env = {
+                 run_id: str, restart_count: int = 0, max_restarts: int = 0,
+                 role: str = "default", signals: str = DEFAULT_SIGNALS,
+                 error_file: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables torchrun gives a worker (see torch.distributed.run and its agent).
+
+    ``TORCHELASTIC_USE_AGENT_STORE`` is False: rank 0 hosts the store (env://), no agent does.
+    ``error_file`` is where torch's ``@record`` writes a failing worker's error.
+    """
+    environ = os.environ if environ is None else environ
+    env: dict[str, Any] = {
         "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
         "LOCAL_WORLD_SIZE": local_world_size, "GROUP_RANK": node_rank,
         "GROUP_WORLD_SIZE": nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world_size,
-        "ROLE_NAME": "default", "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
+        "ROLE_NAME": role, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
         "TORCHELASTIC_RESTART_COUNT": restart_count, "TORCHELASTIC_MAX_RESTARTS": max_restarts,
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals,
     }
+    if error_file:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
     return {k: str(v) for k, v in env.items()}
+
+
+def _streams(value: str, local_rank: int) -> int:
+    """torchrun's ``--redirects`` value for one local rank: 0 none, 1 out, 2 err, 3 both."""
+    if ":" not in value:
+        return int(value)
+    table = dict(item.split(":") for item in value.split(","))
+    return int(table.get(str(local_rank), "0"))
+
+
+@dataclass
+class _Outputs:
+    """Where a launch's worker output goes: log folder, error files, the console filter."""
+
+    log_dir: str | None
+    error_dir: str
+    temporary: str | None  # a folder of ours to remove at the end
+    show: Any
+
+    def error_file(self, rank: int) -> str:
+        return os.path.join(self.error_dir, f"rank{rank}.error.json")
+
+    def cleanup(self) -> None:
+        if self.temporary:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def _outputs(config: RunConfig, first_rank: int) -> _Outputs:
+    """torchrun's --log-dir, --redirects and --local-ranks-filter for this node's workers.
+
+    Logs go to ``--log-dir`` or ``RUN_DIR/logs`` when there is a run folder, else nowhere;
+    torch's error files go beside them, or into a temporary folder removed at the end (as
+    torchrun's own). Redirected output needs files: without a log folder it goes to a kept
+    temporary one, said once.
+    """
+    log_dir = config.log_dir or (os.path.join(config.run_dir, "logs") if config.run_dir else None)
+    temporary = None
+    redirected = config.redirects not in ("0", "")
+    if redirected and not log_dir:
+        log_dir = tempfile.mkdtemp(prefix="distrun-logs-")
+        print(f"distrun: --redirects {config.redirects}: worker output goes to {log_dir}",
+              file=sys.stderr, flush=True)
+    if log_dir:
+        error_dir = os.path.abspath(log_dir)  # a worker may change its directory
+    else:
+        error_dir = temporary = tempfile.mkdtemp(prefix="distrun-errors-")
+    shown = {int(r) for r in config.local_ranks_filter.split(",") if r}
+
+    def show(rank: int, dst: IO[str]) -> bool:
+        local = rank - first_rank
+        if shown and local not in shown:
+            return False
+        if redirected:
+            mask = _streams(config.redirects, local)
+            return not mask & (2 if dst is sys.stderr else 1)
+        return True
+
+    return _Outputs(log_dir, error_dir, temporary,
+                    show if shown or redirected else None)
 
 
 @dataclass
@@ -74,9 +152,10 @@ class WorkerGroup:
     """This node's worker processes: start, relay output, forward signals, wait, stop."""
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
-                 ranks: Sequence[int], tee: bool = False, log_dir: str | None = None) -> None:
+                 ranks: Sequence[int], tee: bool = False, log_dir: str | None = None,
+                 relay: Relay | None = None) -> None:
         self.command = list(command)
-        self.relay = Relay(tee=tee)
+        self.relay = relay or Relay(tee=tee)
         self.workers: list[_Worker] = []
         self.stopping_since: float | None = None
         for rank, env in zip(ranks, envs):
@@ -175,21 +254,27 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
         check_port(addr, port)
     world = nproc * nnodes
     run_id = environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
+    outputs = _outputs(config, config.node_rank * nproc)
     envs, ranks = [], []
     for local in range(nproc):
         rank = config.node_rank * nproc + local
         env = dict(environ)
         env.update(torchrun_env(rank=rank, local_rank=local, world_size=world,
                                 local_world_size=nproc, node_rank=config.node_rank,
-                                nnodes=nnodes, master_addr=addr, master_port=port, run_id=run_id))
+                                nnodes=nnodes, master_addr=addr, master_port=port, run_id=run_id,
+                                role=config.role, signals=config.signals_to_handle,
+                                error_file=outputs.error_file(rank), environ=environ))
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         envs.append(env)
         ranks.append(rank)
-    log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
-    group = WorkerGroup(command, envs, ranks, tee=config.tee, log_dir=log_dir)
-    return wait_with_signals(group)
+    try:
+        group = WorkerGroup(command, envs, ranks, tee=config.tee, log_dir=outputs.log_dir,
+                            relay=Relay(tee=config.tee, show=outputs.show))
+        return wait_with_signals(group)
+    finally:
+        outputs.cleanup()
 
 
 #: layout fields that, set by a flag, variable or file, turn the per-process path off
@@ -228,19 +313,27 @@ def launch_in_place(config: RunConfig, command: list[str], environ: dict[str, st
     if cluster.rank == 0 and inherited.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         check_port(addr, port)
     local_world = cluster.nproc_per_node or 1
+    outputs = _outputs(config, cluster.rank - (cluster.local_rank or 0))
     env = dict(environ)
     env.update(torchrun_env(
         rank=cluster.rank, local_rank=cluster.local_rank or 0, world_size=cluster.world_size,
         local_world_size=local_world, node_rank=cluster.node_rank or 0, nnodes=nnodes,
         master_addr=addr, master_port=port,
-        run_id=environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"))
+        run_id=environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun",
+        role=config.role, signals=config.signals_to_handle,
+        error_file=environ.get("TORCHELASTIC_ERROR_FILE") or outputs.error_file(cluster.rank),
+        environ=environ))
     env.update(inherited)
     if local_world > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
-    group = WorkerGroup(command, [env], [cluster.rank], tee=config.tee, log_dir=log_dir)
-    return wait_with_signals(group)
+    try:
+        group = WorkerGroup(command, [env], [cluster.rank], tee=config.tee,
+                            log_dir=outputs.log_dir,
+                            relay=Relay(tee=config.tee, show=outputs.show))
+        return wait_with_signals(group)
+    finally:
+        outputs.cleanup()
 
 
 def wait_with_signals(group: WorkerGroup) -> int:

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -48,8 +49,12 @@ class RankOutput:
 class Relay:
     """Print the lines of many ranks without mixing them; thread-safe."""
 
-    def __init__(self, tee: bool = False) -> None:
+    def __init__(self, tee: bool = False,
+                 show: Callable[[int, IO[str]], bool] | None = None) -> None:
         self.tee = tee
+        #: whether a line of rank N bound for ``dst`` reaches the console (torchrun's
+        #: ``--redirects`` and ``--local-ranks-filter``); it goes to the log file regardless
+        self.show = show
         #: held while a line is written (and while a rank's log file is closed)
         self.lock = threading.Lock()
         self._seen_errors: set[str] = set()
@@ -61,8 +66,11 @@ class Relay:
             if rank.log is not None and not rank.log.closed:
                 rank.log.write(line)
                 rank.log.flush()
-            # The same usage error from N ranks is said once.
-            if line.startswith("error: "):
+            if self.show is not None and not self.show(rank.rank, dst):
+                setattr(rank, "hidden", True)  # noqa: B010 - its report repeats its lines
+                return
+            # The same usage error (or warning) from N ranks is said once.
+            if line.startswith(("error: ", "warning: ")):
                 if line in self._seen_errors:
                     return
                 self._seen_errors.add(line)
@@ -119,17 +127,25 @@ class Relay:
 
 
 def report_failure(rank: RankLines, code: int, where: str = "") -> None:
-    """Say once that ``rank`` failed with exit ``code``, with its last lines.
+    """Say once, in one line, that ``rank`` failed with exit ``code``.
 
-    ``where`` (e.g. ``Ray node 10.0.0.5``) is added after the rank. Nothing is said when the
-    rank's last line was a usage error: it was already said, in one line.
+    Its output (a traceback, say) is already on the console, so the line names the rank and
+    its last line; the last lines are repeated only for a rank whose output the console did
+    not show (``--redirects``, ``--local-ranks-filter``). ``where`` (e.g. ``Ray node
+    10.0.0.5``) is added after the rank. Nothing is said when the rank's last line was a usage
+    error: it was already said, in one line.
     """
     lines = [ln for ln in rank.tail if ln.strip()]
     if lines and lines[-1].startswith("error: "):
         return
     place = f" ({where})" if where else ""
-    print(f"distrun: rank {rank.rank}{place} failed with exit code {code}; its last lines:",
-          file=sys.stderr)
+    head = f"distrun: rank {rank.rank}{place} failed with exit code {code}"
+    if not getattr(rank, "hidden", False):
+        last = f": {lines[-1].strip()[:200]}" if lines else ""
+        print(f"{head}{last}" + (" (its output is above)" if lines else ""), file=sys.stderr)
+        sys.stderr.flush()
+        return
+    print(f"{head}; its last lines:", file=sys.stderr)
     for ln in lines[-TAIL_LINES:]:
         print(f"  [rank{rank.rank}] {ln}", file=sys.stderr)
     sys.stderr.flush()

@@ -1,7 +1,10 @@
 """The run folder ``runs/<name>/``: the resolved config, per-rank logs, metrics, checkpoints.
 
-``--name`` and ``--run-dir`` choose it. The launcher of node 0 (or rank 0 of a run started
-without ``distrun run``) writes ``config.toml``: every option with the source of its value,
+``--name`` and ``--run-dir`` choose it; an existing folder of an earlier run is never written
+into again (the run gets ``NAME-2``) unless the run continues it (``--resume``). A plain
+torchrun script gets no folder unless one is asked for (``--name``, ``--run-dir``; ``--log-dir``
+puts only the logs somewhere); a Task does. The launcher of node 0 (or rank 0 when the launcher made no
+folder, or without ``distrun run``) writes ``config.toml``: every option with the source of its value,
 loadable again with ``--config``. The local launcher appends each
 worker's output to ``logs/rank<N>.log``; ``metrics.csv`` comes from :mod:`distrun.loggers.csv_file`
 and checkpoints go to ``checkpoints/``.
@@ -129,7 +132,7 @@ def distrun_configure(config):
     if int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
         return
     path = os.path.join(config.run_dir, CONFIG_FILE)
-    if CONFIG_ENV in os.environ:  # launched: the launcher wrote it; add values set in code
-        add_code_values(config, path)
-    else:  # `python train.py`: nobody else will write it
+    if CONFIG_ENV in os.environ and os.path.exists(path):
+        add_code_values(config, path)  # launched: the launcher wrote it; add values from code
+    else:  # `python train.py`, or a script the launcher gave no folder: a Task wants one
         write_config(config, path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pluggy
 
 from distrun.config.run_config import RunConfig, core_options
@@ -47,8 +49,13 @@ def collect_strategies(pm: pluggy.PluginManager) -> dict[str, StrategyInfo]:
 
 
 def choose_strategy(config: RunConfig, world_size: int | None,
-                    strategies: dict[str, StrategyInfo]) -> StrategyInfo:
-    """The strategy the config names; ``auto`` means single for one process, else ddp."""
+                    strategies: dict[str, StrategyInfo],
+                    is_blocked: Callable[[str], bool] | None = None) -> StrategyInfo:
+    """The strategy the config names; ``auto`` means single for one process, else ddp.
+
+    ``is_blocked`` tells plugin names ``-p no:NAME`` blocked (``pm.is_blocked``): asking for a
+    strategy such a plugin offers is told as that, not as an unknown name.
+    """
     name = config.strategy
     if name == "auto":
         if world_size is None or world_size > 1:
@@ -63,6 +70,14 @@ def choose_strategy(config: RunConfig, world_size: int | None,
         return strategies["single"]
     if name in strategies:
         return strategies[name]
+    owners = [name] + ([FIRST_PARTY[name].removeprefix("distrun-")] if name in FIRST_PARTY
+                       else [])
+    blocked = [p for p in owners if is_blocked is not None and is_blocked(p)]
+    if blocked:
+        plugin = blocked[0]
+        raise UsageError(f"strategy '{name}' comes from plugin '{plugin}', which is blocked "
+                         f"(-p no:{plugin} or DISTRUN_BLOCK_PLUGINS); unblock it to use "
+                         f"--strategy {name}")
     installed = ", ".join(sorted(strategies))
     hint = suggest(name, [*strategies, *FIRST_PARTY])
     wanted = name if name in FIRST_PARTY else closest(name, [*strategies, *FIRST_PARTY])

@@ -18,7 +18,7 @@ class Option:
     ``name`` is the config field (``ddp_bucket_mb``); the flag is ``--ddp-bucket-mb``, the TOML
     key ``ddp_bucket_mb`` and the environment variable ``DISTRUN_DDP_BUCKET_MB``.
     ``type`` is one of bool, int, float, str; ``choices`` limits the values; ``min`` bounds
-    numbers from below; ``parse`` replaces the built-in conversion for special values.
+    numbers from below and ``max`` from above; ``parse`` replaces the built-in conversion for special values.
     """
 
     name: str
@@ -27,6 +27,7 @@ class Option:
     help: str = ""
     choices: Sequence[str] | None = None
     min: float | None = None
+    max: float | None = None
     aliases: Sequence[str] = ()
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
@@ -91,7 +92,10 @@ def coerce(option: Option, value: Any, source: str) -> Any:
             if not isinstance(value, str):
                 raise ValueError
             out = value
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
+        if option.parse is not None and str(exc):
+            # the parser's own reason says what is allowed ("must be at least 1, ...")
+            raise UsageError(f"invalid value for {where}: {value!r} {exc}") from None
         kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(
             option.type, "a string"
         )
@@ -109,6 +113,8 @@ def coerce(option: Option, value: Any, source: str) -> Any:
         )
     if option.min is not None and isinstance(out, (int, float)) and out < option.min:
         raise UsageError(f"invalid value for {where}: {out} is below the minimum {option.min:g}")
+    if option.max is not None and isinstance(out, (int, float)) and out > option.max:
+        raise UsageError(f"invalid value for {where}: {out} is above the maximum {option.max:g}")
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import signal
 import time
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 
 from distrun.registry.collect import choose_strategy, collect_strategies
-from distrun.spec.errors import UsageError
+from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.keys import UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
 from distrun.train.run import Run
@@ -19,6 +21,8 @@ from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
 from distrun.train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
 
 __all__ = ["fit_loop", "setup_run", "seed_everything"]
+
+log = logging.getLogger("distrun")
 
 
 def seed_everything(seed: int) -> None:
@@ -34,7 +38,8 @@ def seed_everything(seed: int) -> None:
 
 def setup_run(run: Run) -> None:
     """Strategy, model, optimizer and data, each through its hook."""
-    info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm))
+    info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm),
+                           run.pm.is_blocked)
     run.strategy = info.factory(run.config)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
@@ -182,6 +187,39 @@ def fit_loop(run: Run) -> Any:
     return run.progress
 
 
+_NONFINITE_SEEN: StashKey[bool] = StashKey("loop.nonfinite_seen")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, dict):
+        return f"a dict (keys {', '.join(map(repr, list(value)[:5]))})"
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+
+
+def _check_loss(run: Run, loss: Any, epoch: int) -> None:
+    """The loss must be a tensor; a non-finite one is said once (or stops the run)."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(
+            f"{type(run.task).__name__}.training_step(model, batch) returned {_describe(loss)}; "
+            "it must return the loss as a torch.Tensor (e.g. `return F.mse_loss(model(x), y)`)")
+    policy = run.config.nonfinite_loss
+    if policy == "ignore" or (policy == "warn" and run.stash.get(_NONFINITE_SEEN)):
+        return
+    value = float(loss.detach().float().sum()) if loss.numel() else 0.0
+    if math.isfinite(value):
+        return
+    step = run.progress.step + 1
+    if policy == "stop":
+        raise DistrunError(f"rank {run.rank}: the loss is {value} at step {step} (epoch "
+                           f"{epoch}); stopped there as --nonfinite-loss stop asks")
+    run.stash[_NONFINITE_SEEN] = True
+    log.warning("warning: the loss is %s at step %d (epoch %d); training goes on "
+                "(said once; --nonfinite-loss stop ends the run at such a step)", value, step,
+                epoch)
+
+
 def _stop_agreed(run: Run, agreed: int) -> int:
     """Act on what the ranks agreed: a preemption as if this rank had the signal itself."""
     if agreed == PREEMPT and run.stop_signal is None:
@@ -238,6 +276,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
         ctx = st.no_sync(model) if not boundary else _NULL
         with ctx:
             loss = hook.distrun_training_step(run=run, batch=batch)
+            _check_loss(run, loss, epoch)
             hook.distrun_backward(run=run, loss=loss / accum if accum > 1 else loss)
         if run.sampler is not None:
             run.sampler.advance()

@@ -15,12 +15,15 @@ from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun.registry.collect import collect_options
 from distrun.registry.manager import get_plugin_manager
 from distrun.spec.errors import DistrunError
+from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
 
 __all__ = ["Trainer", "worker_config"]
 
 log = logging.getLogger("distrun")
 _STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: set once the loop starts: a timeout before that is a rank stuck before training
+_TRAINING: StashKey[bool] = StashKey("trainer.training")
 
 
 def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
@@ -32,10 +35,17 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
     config = resolve_config(collect_options(pm), code=code, inherited=inherited,
                             inherited_sources=sources)
     if not config.run_dir:
-        from distrun.config.run_config import with_values
+        from distrun.config.run_config import fresh_run_folder, with_values
 
         name = config.name or os.path.splitext(os.path.basename(sys.argv[0] or "run"))[0]
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not config.name and int(os.environ.get("WORLD_SIZE", "1")) > 1 and run_id \
+                and config.resume == "never":
+            # started by torchrun: the ranks share its run id, not a view of the folders
+            name = f"{name}-{run_id[:8]}"
         config = with_values(config, name=name, run_dir=os.path.join("runs", name))
+        if CONFIG_ENV not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            config = fresh_run_folder(config)  # `python train.py` again: a new folder
     return config
 
 
@@ -111,6 +121,7 @@ class Trainer:
             if run.resumed_from:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
         run.hook.distrun_on_fit_start(run=run)
+        run.stash[_TRAINING] = True
         run.hook.distrun_run_fit(run=run)
         if run.stop_signal is not None and run.done:
             log.warning("Stop signal %d: saving a checkpoint and exiting for requeue",
@@ -164,6 +175,11 @@ def _raised_in(exc: BaseException, prefixes: tuple[str, ...]) -> bool:
 
 
 def _timeout_message(run: Run) -> str:
+    if not run.stash.get(_TRAINING):
+        return (f"rank {run.rank}: waited {run.config.timeout:g}s for the other ranks before "
+                "training started: a rank is stuck before training (at import, in setup or "
+                "loading data) or never started; see the other ranks' output, or change the "
+                "limit with --timeout SECONDS or DISTRUN_TIMEOUT")
     return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
             "are out of step (most often uneven inputs: one rank ran out of batches while the "
             "others wait for it; pip install distrun-join, or give every rank the same number "

@@ -52,7 +52,10 @@ def _run_as_main(run: str, name: str) -> None:
         raise
     except BaseException as exc:  # as Python itself reports it, minus this wrapper's frames
         tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
+        # by file, not __name__: under `python -m distrun.train.worker` this module's and the
+        # user's script's frames are both "__main__"
+        while tb is not None and tb.tb_frame.f_code.co_filename in (
+                __file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next
         traceback.print_exception(type(exc), exc, tb)
         sys.stderr.flush()

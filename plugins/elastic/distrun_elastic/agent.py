@@ -61,7 +61,7 @@ class RelayLogsSpecs(DefaultLogsSpecs):
     """Workers write into per-attempt files; the relay follows them (rank-prefixed on --tee)."""
 
     def __init__(self, relay: Relay, log_dir: str) -> None:
-        super().__init__(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)
+        super().__init__(log_dir=log_dir or None, redirects=Std.ALL, tee=Std.NONE)
         self.relay = relay
 
     def reify(self, envs: dict[int, dict[str, str]]) -> Any:
@@ -165,7 +165,7 @@ def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     # torch's SubprocessHandler starts the workers from this process's main thread: they die
     # with it (the worker entry point calls distrun.launch.lifeline.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _FORWARDED
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals or _FORWARDED
     if plan.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -190,7 +190,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         raise DistrunError(f"cannot reach the rendezvous at {plan.rdzv_endpoint}: {exc} "
                            "(check --rdzv-endpoint; the node at HOST must be started)") from None
     spec = WorkerSpec(
-        role="default", local_world_size=plan.nproc_per_node, entrypoint=command[0],
+        role=plan.role, local_world_size=plan.nproc_per_node, entrypoint=command[0],
         args=tuple(command[1:]), rdzv_handler=handler, max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=plan.local_addr,

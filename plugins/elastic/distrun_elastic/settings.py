@@ -3,7 +3,7 @@
 The choices made here:
 
 - the plugin answers ``distrun_launch`` when the config asks for elasticity: ``--max-restarts``
-  above 0, a node range ``--nnodes MIN:MAX`` or a rendezvous endpoint;
+  above 0, a node range ``--nnodes MIN:MAX``, a rendezvous endpoint or ``--rdzv-conf``;
 - a single-node run rendezvous on ``127.0.0.1`` (a free port), and so does a run whose endpoint
   is a loopback address; otherwise torch uses this host's name;
 - every start of the workers, first or restarted, resumes from the newest valid checkpoint: the
@@ -37,9 +37,10 @@ _DEFAULT_NAME = re.compile(r".+-\d{8}-\d{6}")
 def wants_elastic(config: RunConfig) -> bool:
     """True when the config asks for the elastic agent."""
     lo, hi = _node_range(config.nnodes)
+    # torchrun's --rdzv-conf tunes a rendezvous: only the agent has one to tune.
     return (config.get("max_restarts", 0) or 0) > 0 or lo != hi or bool(
         config.get("rdzv_endpoint", "")
-    )
+    ) or bool(config.get("rdzv_conf", ""))
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class ElasticPlan:
     log_dir: str = ""
     tee: bool = False
     debug: bool = False
+    role: str = "default"
+    #: TORCHELASTIC_SIGNALS_TO_HANDLE; empty: the plugin's own list
+    signals: str = ""
 
 
 def _node_range(nnodes: str) -> tuple[int, int]:
@@ -102,6 +106,13 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     from distrun.launch.local import resolve_nproc
 
     lo, hi = _node_range(config.nnodes)
+    for flag, value, default in (("--redirects", config.redirects, "0"),
+                                 ("--local-ranks-filter", config.local_ranks_filter, "")):
+        if value != default:
+            raise UsageError(f"{flag} is not supported under the elastic agent yet (drop it, or "
+                             "run without --max-restarts/--rdzv-endpoint/a node range)")
+    # Written by the agent: only where the user asked for files, else torch's temporary folder.
+    log_dir = config.log_dir or (os.path.join(config.run_dir, "logs") if config.run_dir else "")
     backend = config.rdzv_backend
     endpoint = config.rdzv_endpoint.strip()
     conf = parse_rdzv_conf(config.rdzv_conf)
@@ -147,8 +158,9 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         min_nodes=lo, max_nodes=hi, nproc_per_node=resolve_nproc(config.nproc_per_node),
         max_restarts=config.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,
         run_id=run_id, rdzv_configs=conf, monitor_interval=config.monitor_interval,
-        local_addr=local_addr, log_dir=os.path.join(config.run_dir, "logs"), tee=config.tee,
-        debug=config.debug,
+        local_addr=local_addr, log_dir=log_dir, tee=config.tee, debug=config.debug,
+        role=config.role,
+        signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
     )
     return plan, config
 
@@ -160,4 +172,4 @@ def _is_default_name(config: RunConfig) -> bool:
     name's shape is what tells them apart.
     """
     return bool(_DEFAULT_NAME.fullmatch(config.name)) and \
-        config.run_dir == os.path.join("runs", config.name)
+        config.run_dir in ("", os.path.join("runs", config.name))

@@ -14,7 +14,9 @@ from distrun_safetensors.files import DTYPE_SIZES, CheckpointError
 from distrun_safetensors.manifest import (
     MODEL_INDEX,
     candidates,
+    inside,
     is_checkpoint_folder,
+    outside_links,
     read_latest,
     step_folders,
     validate,
@@ -33,12 +35,25 @@ def _human(n: float) -> str:
 
 def parse_size(text: str) -> int:
     """'2GB' -> 2e9, '512MiB' -> 512 * 2**20, '1000' -> 1000 bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, flags=re.IGNORECASE)
-    if not m:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(i?)B?\s*", text,
+                     flags=re.IGNORECASE)
+    if not m or (m.group(3) and not m.group(2)):
         raise click.BadParameter(f"{text!r} is not a size (examples: 2GB, 500MB, 1GiB)")
     base = 1024 if m.group(3) else 1000
     power = " KMGT".index(m.group(2).upper() or " ")
-    return int(float(m.group(1)) * base ** power)
+    size = int(float(m.group(1)) * base ** power)
+    if size < 1:
+        raise click.BadParameter(f"{text!r} is too small: a shard holds at least one byte")
+    return size
+
+
+def _when(manifest: dict[str, Any]) -> str:
+    """The manifest's commit time (validated to be a number of seconds) as an ISO date."""
+    try:
+        return datetime.datetime.fromtimestamp(manifest.get("committed_at", 0)).isoformat(
+            timespec="seconds")
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "?"
 
 
 def _folder(path: str) -> str:
@@ -70,7 +85,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
         click.echo(json.dumps({"folder": c.folder, "manifest": m, "model": c.model,
                                "optimizer": c.optim}, indent=1))
         return
-    when = datetime.datetime.fromtimestamp(m.get("committed_at", 0)).isoformat(timespec="seconds")
+    when = _when(m)
     total = sum(f["size"] for f in m["files"].values())
     click.echo(f"checkpoint {c.folder}")
     click.echo(f"  step {m['step']}  reason {m.get('reason')}  saved {when}")
@@ -130,24 +145,32 @@ def ls_cmd(directory: str) -> None:
     if os.path.isdir(os.path.join(directory, "checkpoints")) and not step_folders(directory):
         directory = os.path.join(directory, "checkpoints")
     latest, problem = read_latest(directory)
+    notes = outside_links(directory)
+    if latest is not None and not os.path.isdir(latest):
+        problem = (f"{os.path.join(directory, 'latest')} names {os.path.basename(latest)}, which "
+                   "does not exist (--resume latest falls back to the newest valid checkpoint; "
+                   "delete the file or point it at one of the folders listed)")
+        latest = None
+    elif latest is not None and not inside(directory, latest):
+        latest = None  # a link out: the note above says so
     folders = step_folders(directory)
+    for note in notes:
+        click.echo(f"warning: {note}", err=True)
     if not folders:
         click.echo(f"no checkpoints in {directory}")
-        return
     for folder in folders:
-        mark = "*" if latest and os.path.samefile(latest, folder) else " "
+        mark = "*" if latest and os.path.realpath(latest) == os.path.realpath(folder) else " "
         try:
             c = validate(folder, verify=False)
             m = c.manifest
-            when = datetime.datetime.fromtimestamp(m.get("committed_at", 0)).isoformat(
-                timespec="seconds")
+            when = _when(m)
             size = sum(f["size"] for f in m["files"].values())
             click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
                        f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}")
         except CheckpointError as exc:
             click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
     if problem:
-        click.echo(f"warning: {problem}")
+        raise CheckpointError(problem)
 
 
 @ckpt.command("consolidate")

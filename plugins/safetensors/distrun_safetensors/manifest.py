@@ -14,7 +14,8 @@ from typing import Any
 
 from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, crc32_file, member, read_header
 
-__all__ = ["FORMAT", "VERSION", "Checkpoint", "candidates", "read_latest", "validate"]
+__all__ = ["FORMAT", "VERSION", "Checkpoint", "candidates", "inside", "outside_links",
+           "read_latest", "validate"]
 
 FORMAT = "distrun-safetensors"
 VERSION = 1
@@ -112,6 +113,10 @@ def read_manifest(folder: str) -> dict[str, Any]:
           and all(isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values()))
     if not ok:
         raise CheckpointError(f"{path}: manifest is malformed (files, step or world_size)")
+    when = manifest.get("committed_at", 0)
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < 1e11:
+        raise CheckpointError(f"{path}: manifest is malformed (committed_at {str(when)[:40]!r} "
+                              "is not a time in seconds)")
     for name in files:
         member(folder, name)
     return manifest
@@ -137,7 +142,8 @@ def _check_index(folder: str, name: str, index: dict[str, Any],
 
 def _check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> None:
     bad = f"{where}: tensor {name!r}"
-    if not (isinstance(info, dict) and info.get("dtype") in DTYPE_SIZES
+    if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+            and info["dtype"] in DTYPE_SIZES
             and isinstance(info.get("shape"), list)
             and all(isinstance(d, int) and d >= 0 for d in info["shape"])
             and isinstance(info.get("pieces"), list)):
@@ -253,20 +259,40 @@ def read_latest(ckpt_dir: str) -> tuple[str | None, str | None]:
 
 def committed_at(folder: str) -> float:
     try:
-        with open(os.path.join(folder, MANIFEST), "rb") as fh:
-            return float(json.loads(fh.read(1 << 20)).get("committed_at", 0.0))
-    except (OSError, ValueError, TypeError, AttributeError):
+        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
+            value = json.loads(fh.read(1 << 20)).get("committed_at", 0.0)
+    except (OSError, ValueError, AttributeError, CheckpointError):
         return -1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return -1.0
+    return float(value)
+
+
+def inside(ckpt_dir: str, folder: str) -> bool:
+    """True when ``folder`` (a ``step-N`` entry of ``ckpt_dir``) really lies in ``ckpt_dir``."""
+    return os.path.dirname(os.path.realpath(folder)) == os.path.realpath(ckpt_dir)
+
+
+def outside_links(ckpt_dir: str) -> list[str]:
+    """Notes on ``step-N`` entries of ``ckpt_dir`` that are links out of it (never read)."""
+    try:
+        names = sorted(n for n in os.listdir(ckpt_dir) if STEP_RE.match(n))
+    except OSError:
+        return []
+    return [f"{os.path.join(ckpt_dir, n)} is a link that leaves {ckpt_dir} (not read; "
+            "give it to --resume PATH itself to load it)"
+            for n in names if not inside(ckpt_dir, os.path.join(ckpt_dir, n))]
 
 
 def step_folders(ckpt_dir: str) -> list[str]:
-    """``step-N`` folders of ``ckpt_dir``, newest commit first."""
+    """``step-N`` folders of ``ckpt_dir``, newest commit first; links out of it are left out."""
     try:
         names = [n for n in os.listdir(ckpt_dir) if STEP_RE.match(n) or _ASIDE_RE.match(n)]
     except OSError:
         return []
     folders = [os.path.join(ckpt_dir, n) for n in names
-               if os.path.isdir(os.path.join(ckpt_dir, n))]
+               if os.path.isdir(os.path.join(ckpt_dir, n))
+               and inside(ckpt_dir, os.path.join(ckpt_dir, n))]
 
     def order(folder: str) -> tuple[float, bool, int]:
         name = os.path.basename(folder)
@@ -278,11 +304,13 @@ def step_folders(ckpt_dir: str) -> list[str]:
 
 def candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
     """(folders to try in order: ``latest`` first then newest commits, notes about ``latest``)."""
-    notes = []
+    notes = outside_links(ckpt_dir)
     latest, problem = read_latest(ckpt_dir)
     if problem:
         notes.append(problem)
     order = step_folders(ckpt_dir)
+    if latest is not None and not inside(ckpt_dir, latest):
+        latest = None  # a link out of the folder: said in the notes above
     if latest is not None:
         if os.path.isdir(latest):
             order = [latest] + [f for f in order if f != latest]

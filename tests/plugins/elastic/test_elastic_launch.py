@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,11 @@ def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
     assert result.returncode == 3, result
     err = result.stderr
     assert err.count("distrun: rank 1 exited with code 3; restarting") == 1, result
-    assert err.count("distrun: rank 1 failed with exit code 3; its last lines:") == 1, result
+    # Its lines were shown as they came; the report is one line naming the rank.
+    assert len(re.findall(r"^distrun: rank 1 failed with exit code 3: .* \(its output is "
+                          r"above\)$", err, re.M)) == 1, result
     assert "rank 0" not in err
-    # Its own stderr lines, from the last attempt (its stdout lines may come before or after).
-    report = [ln for ln in err.split("its last lines:")[1].splitlines() if "ENV" not in ln]
-    assert report[-2:] == ["  [rank1] attempt 1: step 3 went wrong",
-                           "  [rank1] ValueError: injected failure"]
+    assert err.count("attempt 1: step 3 went wrong") == 1, result
 
 
 @pytest.mark.parametrize("code, said", [(143, "exit 143 (requeue)"), (2, "")])

@@ -1,0 +1,280 @@
+"""Every bad input of issue 15, table-driven: the exit code, the exact line, nothing written,
+nothing read outside.
+
+Launcher-side inputs run in-process (the ``cli`` fixture: no worker may start), with an audit
+hook that records every file opened; inputs only a worker can meet run a real ``distrun``
+subprocess. Checkpoint inputs are in tests/plugins/safetensors/test_ckpt_bad_input.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from distrun.testing import run_cli
+
+TASK = """
+import os, sys, time
+import torch
+import distrun
+
+if os.environ.get("STUCK_RANK") == os.environ.get("RANK"):
+    time.sleep(120)  # stuck at import, before training
+
+
+class T(distrun.Task):
+    def configure_model(self):
+        return torch.nn.Linear(2, 1)
+
+    def train_data(self):
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.TensorDataset(torch.randn(64, 2, generator=g),
+                                              torch.randn(64, 1, generator=g))
+
+    def training_step(self, model, batch):
+        x, y = batch
+        if os.environ.get("RETURN_NONE"):
+            return None
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        return loss * float("nan") if os.environ.get("NAN_LOSS") else loss
+"""
+IMPORT_ERROR = """
+import os, time
+if os.environ["RANK"] == "1":
+    import no_such_module_here
+time.sleep(30)
+"""
+
+
+@dataclass
+class Case:
+    args: tuple[str, ...]
+    line: str  # the exact error line
+    code: int = 2
+    make: dict[str, str] = field(default_factory=dict)  # files to create first (path: text)
+    dirs: tuple[str, ...] = ()
+    skip: str = ""
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+# -- inputs the launcher refuses before any worker starts --------------------------------------
+IN_PROCESS = {
+    "master_port_too_big": Case(
+        ("run", "--master-port", "70000", "task.py:T"),
+        "error: invalid value for --master-port: 70000 is above the maximum 65535"),
+    "master_port_torchrun_spelling": Case(
+        ("run", "--master_port", "70000", "task.py"),
+        "error: invalid value for --master-port: 70000 is above the maximum 65535"),
+    "config_is_a_folder": Case(
+        ("run", "--config", "cfg", "task.py:T"),
+        "error: --config cfg is a folder; give the TOML file itself (e.g. cfg/config.toml)",
+        dirs=("cfg",)),
+    "resume_is_a_file": Case(
+        ("run", "--resume", "weights.bin", "task.py:T"),
+        "error: --resume weights.bin is a file; give a checkpoint folder (step-N), a "
+        "checkpoints folder or a run folder", make={"weights.bin": "x"}),
+    "nproc_zero": Case(
+        ("run", "--nproc-per-node", "0", "task.py"),
+        "error: invalid value for --nproc-per-node: '0' is too few: start at least 1 process "
+        "(or use cpu, gpu or auto)"),
+    "nproc_word": Case(
+        ("run", "--nproc-per-node", "many", "task.py"),
+        "error: invalid value for --nproc-per-node: 'many' is not a number of processes (use "
+        "N >= 1, cpu, gpu or auto)"),
+    "nproc_gpu_without_one": Case(
+        ("run", "--nproc-per-node", "gpu", "task.py"),
+        "error: --nproc-per-node gpu: no CUDA device is visible (use a number, cpu or auto)",
+        skip="a CUDA device is visible" if _cuda() else ""),
+    "strategy_of_a_blocked_plugin": Case(
+        ("-p", "no:ddp", "run", "--strategy", "ddp", "task.py:T"),
+        "error: strategy 'ddp' comes from plugin 'ddp', which is blocked (-p no:ddp or "
+        "DISTRUN_BLOCK_PLUGINS); unblock it to use --strategy ddp"),
+    "name_with_a_slash": Case(
+        ("run", "--name", "a/b", "task.py:T"),
+        "error: invalid value for --name: 'a/b' must be a plain folder name: no '/', '\\' or "
+        "'..' (use --run-dir PATH to put the run folder elsewhere)"),
+    "name_dotdot": Case(
+        ("run", "--name", "..", "task.py:T"),
+        "error: invalid value for --name: '..' must be a plain folder name: no '/', '\\' or "
+        "'..' (use --run-dir PATH to put the run folder elsewhere)"),
+    "name_climbing_in_a_config_file": Case(
+        ("run", "--config", "run.toml", "task.py:T"),
+        "error: invalid value for 'name' in run.toml: 'x/../../y' must be a plain folder name: "
+        "no '/', '\\' or '..' (use --run-dir PATH to put the run folder elsewhere)",
+        make={"run.toml": 'name = "x/../../y"\n'}),
+    "syntax_error": Case(
+        ("run", "--nproc-per-node", "2", "broken.py"),
+        "error: broken.py:2: '(' was never closed: x = ( (fix the script; no worker was started)",
+        make={"broken.py": "import os\nx = (\n"}),
+    "syntax_error_in_a_task_file": Case(
+        ("run", "broken.py:T"),
+        "error: broken.py:2: '(' was never closed: x = ( (fix the script; no worker was started)",
+        make={"broken.py": "import os\nx = (\n"}),
+    "unknown_option_after_a_task": Case(
+        ("run", "task.py:T", "--max-epoch", "5"),
+        "error: No such option '--max-epoch'. (Did you mean one of: '--max-epochs', "
+        "'--max-steps'?) (see `distrun run --help`)"),
+    "torchrun_flag_distrun_cannot_honour": Case(
+        ("run", "--numa-binding", "node", "task.py"),
+        "error: torchrun's --numa-binding is not supported by distrun: NUMA binding is not "
+        "supported (bind with numactl around `distrun run`) (see `distrun run --help`)"),
+    "torchrun_redirects_value": Case(
+        ("run", "--redirects", "9", "task.py"),
+        "error: invalid value for --redirects: '9' is not a torchrun stream choice (0 none, 1 "
+        "stdout, 2 stderr, 3 both; or per local rank, e.g. 0:3,1:0)"),
+    "local_ranks_filter": Case(
+        ("run", "--local-ranks-filter", "first", "task.py"),
+        "error: invalid value for --local-ranks-filter: 'first' is not a comma-separated list "
+        "of local ranks (e.g. 0 or 0,1)"),
+    "no_python_with_module": Case(
+        ("run", "--no-python", "-m", "pkg.mod"),
+        "error: --no-python runs TARGET as an executable: it cannot go with -m/--module (as "
+        "under torchrun)"),
+    "no_python_not_executable": Case(
+        ("run", "--no-python", "task.py"),
+        "error: --no-python: task.py is not an executable file (check the path and its x bit, "
+        "or drop --no-python for a Python script)"),
+    "standalone_with_nodes": Case(
+        ("run", "--standalone", "--nnodes", "2", "task.py"),
+        "error: --standalone runs on one node but --nnodes is 2 (drop one of them)"),
+    "signal_name": Case(
+        ("run", "--signals-to-handle", "SIGTERM,SIGNOPE", "task.py"),
+        "error: invalid value for --signals-to-handle: 'SIGTERM,SIGNOPE' names no signal "
+        "SIGNOPE (use names such as SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
+}
+
+_opened: list[str] | None = None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _opened is not None and event == "open" and isinstance(args[0], (str, bytes)):
+        _opened.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+_REPO = str(Path(__file__).resolve().parents[2])
+_OURS = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, _REPO)}) + (
+    "/dev/", "/proc/", "/sys/", "/etc/", "/usr/", "/lib")
+
+
+def _setup(tmp_path: Path, case: Case) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "task.py").write_text(TASK)
+    for name, text in case.make.items():
+        (work / name).write_text(text)
+    for name in case.dirs:
+        (work / name).mkdir()
+    (tmp_path / "outside").mkdir()
+    return work
+
+
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.lstat().st_mtime for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS))
+def test_launcher_refuses_bad_input_in_one_line(cli, tmp_path, name):
+    global _opened
+    case = IN_PROCESS[name]
+    if case.skip:
+        pytest.skip(case.skip)
+    work = _setup(tmp_path, case)
+    before = _tree(tmp_path)
+    _opened = []
+    try:
+        result = cli(*case.args, cwd=work, env={"DISTRUN_BLOCK_PLUGINS": None})
+        opened = list(_opened)
+    finally:
+        _opened = None
+    assert result.returncode == case.code, result
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines == [case.line], result
+    assert "Traceback" not in result.output
+    assert _tree(tmp_path) == before, "something was written"
+    outside = [p for p in opened if not os.path.realpath(p).startswith(
+        (os.path.realpath(work) + os.sep, *_OURS))]
+    assert outside == [], outside
+
+
+# -- inputs only a worker meets: real `distrun` processes ---------------------------------------
+
+
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    (work / "task.py").write_text(TASK)
+    (work / "imports.py").write_text(IMPORT_ERROR)
+    return work, run_cli("-p", "no:progress", *args, cwd=work, env=env, timeout=120)
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def test_training_step_returning_none_names_the_method_and_what_it_returned(tmp_path):
+    work, result = _run(tmp_path, "run", "--no-summary", "--name", "none", "task.py:T",
+                        env={"RETURN_NONE": "1"})
+    assert result.returncode == 2, result
+    assert _lines(result.stderr) == [
+        "error: T.training_step(model, batch) returned None; it must return the loss as a "
+        "torch.Tensor (e.g. `return F.mse_loss(model(x), y)`)"], result
+    assert "Traceback" not in result.output
+    assert sorted(os.listdir(work)) == ["imports.py", "runs", "task.py"]  # its run folder only
+
+
+def test_an_import_error_on_one_rank_is_its_traceback_once_then_one_line(tmp_path):
+    work, result = _run(tmp_path, "run", "--nproc-per-node", "2", "imports.py")
+    assert result.returncode == 1, result
+    err = result.stderr
+    assert err.count("Traceback (most recent call last):") == 1, result
+    assert err.count("ModuleNotFoundError: No module named 'no_such_module_here'") == 2, result
+    assert _lines(err)[-1] == ("distrun: rank 1 failed with exit code 1: ModuleNotFoundError: "
+                               "No module named 'no_such_module_here' (its output is above)")
+    # the user's frames only: none of the wrapper that ran the script
+    assert 'File "imports.py", line 4, in <module>' in err, result
+    assert "runpy" not in err and "distrun/train/worker.py" not in err, result
+    assert sorted(os.listdir(work)) == ["imports.py", "task.py"]  # a plain script: nothing
+
+
+def test_a_nonfinite_loss_is_one_warning_line_at_its_first_step(tmp_path):
+    work, result = _run(tmp_path, "run", "--nproc-per-node", "2", "--strategy", "ddp",
+                        "--no-summary", "--batch-size", "16", "--max-epochs", "2",
+                        "task.py:T", env={"NAN_LOSS": "1"})
+    assert result.returncode == 0, result
+    warnings = [ln for ln in _lines(result.output) if "nan" in ln and "warning" in ln]
+    assert warnings == ["warning: the loss is nan at step 1 (epoch 0); training goes on (said "
+                        "once; --nonfinite-loss stop ends the run at such a step)"], result
+
+
+def test_nonfinite_loss_stop_ends_the_run_at_that_step(tmp_path):
+    work, result = _run(tmp_path, "run", "--no-summary", "--batch-size", "16",
+                        "--nonfinite-loss", "stop", "task.py:T", env={"NAN_LOSS": "1"})
+    assert result.returncode == 1, result
+    assert _lines(result.stderr) == ["error: rank 0: the loss is nan at step 1 (epoch 0); "
+                                     "stopped there as --nonfinite-loss stop asks"], result
+    assert not re.search(r"^epoch \d+ \| step", result.stdout, re.M)  # no step was logged
+
+
+def test_a_rank_stuck_at_import_is_reported_as_that_not_as_uneven_inputs(tmp_path):
+    work, result = _run(tmp_path, "run", "--nproc-per-node", "2", "--strategy", "ddp",
+                        "--timeout", "3", "task.py:T", env={"STUCK_RANK": "1"})
+    assert result.returncode == 1, result
+    assert _lines(result.stderr) == [
+        "error: rank 0: waited 3s for the other ranks before training started: a rank is stuck "
+        "before training (at import, in setup or loading data) or never started; see the other "
+        "ranks' output, or change the limit with --timeout SECONDS or DISTRUN_TIMEOUT"], result
+    assert "uneven" not in result.output
