@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pluggy
@@ -21,8 +22,21 @@ FIRST_PARTY = {
 }
 
 
+#: per manager: the plugins it had and the options they declared (asked once per plugin set)
+_OPTIONS: weakref.WeakKeyDictionary[pluggy.PluginManager, tuple[frozenset[int], list[Option]]] \
+    = weakref.WeakKeyDictionary()
+
+
 def collect_options(pm: pluggy.PluginManager) -> list[Option]:
-    """Core options and every plugin's; a name declared twice is a plugin bug."""
+    """Core options and every plugin's; a name declared twice is a plugin bug.
+
+    ``distrun_register_options`` is called once per set of registered plugins: a launcher or
+    worker that needs the declarations again (the run folder's ``config.toml``) gets the same.
+    """
+    plugins = frozenset(id(p) for p in pm.get_plugins())
+    cached = _OPTIONS.get(pm)
+    if cached is not None and cached[0] == plugins:
+        return list(cached[1])
     out: dict[str, Option] = {o.name: o for o in core_options()}
 
     def register(option: Option) -> None:
@@ -32,6 +46,7 @@ def collect_options(pm: pluggy.PluginManager) -> list[Option]:
         out[option.name] = option
 
     pm.hook.distrun_register_options(register=register)
+    _OPTIONS[pm] = (plugins, list(out.values()))
     return list(out.values())
 
 
