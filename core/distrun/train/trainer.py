@@ -98,6 +98,8 @@ class Trainer:
             pm.hook.distrun_on_exception(run=run, exc=exc)
             if _is_collective_timeout(exc, run):
                 _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
+            if _is_lost_peer(exc, run):
+                _exit_on_error(DistrunError(_lost_peer_message(run, exc)), debug=config.debug)
             raise
         finally:
             _restore_handlers(previous)
@@ -156,6 +158,19 @@ def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
     if not isinstance(exc, RuntimeError) or not _raised_in(exc, _COLLECTIVE_MODULES):
         return False
     return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
+
+
+def _is_lost_peer(exc: BaseException, run: Run) -> bool:
+    """A collective that failed before the timeout: most often another rank has stopped."""
+    return run.world_size > 1 and isinstance(exc, RuntimeError) \
+        and _raised_in(exc, _COLLECTIVE_MODULES)
+
+
+def _lost_peer_message(run: Run, exc: BaseException) -> str:
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return (f"rank {run.rank}: a collective failed at step {run.progress.step}, most often "
+            f"because another rank stopped (its error is above; --debug shows this rank's "
+            f"traceback): {first[:200]}")
 
 
 def _dist_error() -> type[BaseException]:

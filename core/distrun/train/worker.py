@@ -5,25 +5,40 @@
     python -m distrun.train.worker --module NAME [ARGS]     a module, as ``python -m NAME``
 
 Around the target the worker ties itself to its launcher (:mod:`distrun.launch.lifeline`: it
-dies within a moment of the launcher's death, however that dies) and, at interpreter exit,
-destroys a process group the target left initialized. Without that, torch's gloo threads free
-their last work objects while Python finalizes, and the process aborts ("terminate called
-without an active exception", exit 134) in a fraction of runs, under torchrun too.
+dies within a moment of the launcher's death, however that dies), and it ends the process the
+way the interpreter would but without finalizing it: non-daemon threads are joined, the exit
+handlers run (one of them destroys a process group the target left initialized), every open
+file is flushed, and then the process exits with the target's code.
+
+Why: a gloo worker thread releases each finished collective a moment after the caller saw it
+finish. If that release drops the last reference to a tensor Python created, it needs the GIL,
+and during interpreter finalization a thread that asks for the GIL is ended, which in a C++
+destructor aborts the process ("terminate called without an active exception", exit 134). A
+core dump shows exactly that (the main thread in ``Py_FinalizeEx``'s garbage collection, a
+``ProcessGroupGloo::runLoop`` thread in ``~AsyncAllreduceWork`` waiting for the GIL). It
+happened in a few percent of 2-rank runs under load, under torchrun too; destroying the group
+does not stop it, since DDP keeps the group alive. Not finalizing does.
 Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
+import io
 import os
 import runpy
+import signal
 import sys
+import threading
 import traceback
+from typing import NoReturn
 
 from distrun.launch.lifeline import die_with_launcher
 from distrun.spec.errors import DistrunError
 
-__all__ = ["destroy_leftover_group", "main"]
+__all__ = ["destroy_leftover_group", "finish", "main"]
 
 _USAGE = ("usage: python -m distrun.train.worker (pkg.module:Task | --script PATH | "
           "--module NAME) [ARGS]")
@@ -39,6 +54,44 @@ def destroy_leftover_group() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway; the exit code stays the target's
         pass
+
+
+def _flush_open_files() -> None:
+    """Flush every open writable file object: finalization would have closed them."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), io.IOBase):  # type(): never an object's own __class__
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken stream must not block the others
+                pass
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with for ``exc`` (printing a message code, as it does)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def finish(code: int) -> NoReturn:
+    """End this process as the interpreter would at exit, without finalizing it (see above)."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    # The interpreter runs these at exit; it is what skipping finalization must keep (the
+    # user's handlers, logging's shutdown, multiprocessing's clean-up, our group teardown).
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _run_as_main(run: str, name: str) -> None:
@@ -67,6 +120,21 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or (argv[0] in ("--script", "--module") and len(argv) < 2):
         print(_USAGE, file=sys.stderr)
         raise SystemExit(2)
+    try:
+        _run(argv)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # as the interpreter reports an uncaught error
+        traceback.print_exc()
+        code = 1
+    finish(code)
+
+
+def _run(argv: list[str]) -> None:
     die_with_launcher()
     # Registered first, so it runs last: after the target's own exit handlers.
     atexit.register(destroy_leftover_group)
