@@ -35,22 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "core"
 sys.path.insert(0, str(TESTS))
-from lifecycle_task import records  # noqa: E402
+from lifecycle_task import NEVER_DESTROYS, records  # noqa: E402
 
 TASK = f"{TESTS / 'lifecycle_task.py'}:Steps"
 ABORT = "terminate called"
 
-NEVER_DESTROYS = """\
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-dist.init_process_group("gloo")
-model = DDP(torch.nn.Linear(10, 5))
-opt = torch.optim.SGD(model.parameters(), lr=0.001)
-for _ in range(20):
-    opt.zero_grad()
-    model(torch.randn(20, 10)).sum().backward()
-    opt.step()
-"""
 
 
 def _env(rec: Path, **extra: str) -> dict[str, str]:

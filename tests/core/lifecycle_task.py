@@ -21,6 +21,20 @@ import distrun
 
 REC = os.environ.get("LC_REC", "")
 
+#: a torchrun-style script that never destroys its process group (the tutorial's shape)
+NEVER_DESTROYS = """\
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(10, 5))
+opt = torch.optim.SGD(model.parameters(), lr=0.001)
+for _ in range(20):
+    opt.zero_grad()
+    model(torch.randn(20, 10)).sum().backward()
+    opt.step()
+print("done", os.environ["RANK"], flush=True)
+"""
+
 
 def _at(name: str) -> tuple[int, int] | None:
     value = os.environ.get(name)

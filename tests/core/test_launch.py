@@ -101,7 +101,7 @@ def test_tee_prefixes_ranks(tmp_path):
     assert "[rank1]: hello from 1" in result.stdout
 
 
-def test_sigterm_reaches_every_worker(tmp_path):
+def test_sigterm_reaches_every_worker(tmp_path, busy_cores):
     script = tmp_path / "wait.py"
     script.write_text(
         "import os, signal, sys, time, pathlib\n"

@@ -21,7 +21,7 @@ from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from lifecycle_task import records  # noqa: E402
+from lifecycle_task import NEVER_DESTROYS, records  # noqa: E402
 
 TASK = f"{HERE / 'lifecycle_task.py'}:Steps"
 ABORT = "terminate called"
@@ -48,6 +48,19 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120
             raise AssertionError(f"the run ended before {what}:\n{proc.stdout.read()}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def _preempt_after(proc: subprocess.Popen, rec: Path, steps: int) -> str:
+    """SIGTERM to the launcher once rank 1 has trained ``steps``: exit 143, no abort."""
+    try:
+        _wait_for(lambda: len(records(str(rec), "steps", 1)) >= steps, f"step {steps}", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    assert ABORT not in out, out
+    return out
 
 
 def _alive(pid: int) -> bool:
@@ -97,19 +110,11 @@ def test_sigterm_to_the_launcher_saves_that_step_and_resume_trains_each_step_onc
     rec = tmp_path / "rec"
     flags = ("--max-epochs", "2", "--batch-size", "16", "--name", "pre", "--log-every-n-steps",
              "50", "--resume", "auto")
-    proc = _launch(tmp_path, rec, *flags, LC_SLEEP="0.05")
-    try:
-        _wait_for(lambda: len(records(str(rec), "steps", 1)) >= 5, "step 5", proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, out
-    assert ABORT not in out, out
+    out = _preempt_after(_launch(tmp_path, rec, *flags, LC_SLEEP="0.05"), rec, steps=5)
     last = [records(str(rec), "steps", r)[-1]["step"] for r in range(2)]
     assert last[0] == last[1], f"the ranks stopped after different steps: {last}\n{out}"
     ckpts = tmp_path / "runs" / "pre" / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == f"step-{last[0]}", out
+    assert (ckpts / "latest").read_text().strip() == f"step-{last[0]}"
 
     again = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", *flags, TASK,
                     cwd=tmp_path, env=_env(rec), timeout=300)
@@ -126,16 +131,9 @@ def test_sigterm_under_join_stops_every_rank_after_the_same_step(tmp_path, busy_
     pytest.importorskip("distrun_safetensors", reason="the preemption checkpoint")
     rec = tmp_path / "rec"
     # rank 0 has 12 batches, rank 1 16: from step 13 on rank 0 has joined and only shadows
-    proc = _launch(tmp_path, rec, "--max-epochs", "3", "--name", "jp", "--join-mode", "join",
-                   LC_UNEVEN="1", LC_SLEEP="0.1")
-    try:
-        _wait_for(lambda: len(records(str(rec), "steps", 1)) >= 13, "rank 0 joined", proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, out
-    assert ABORT not in out, out
+    out = _preempt_after(_launch(tmp_path, rec, "--max-epochs", "3", "--name", "jp",
+                                 "--join-mode", "join", LC_UNEVEN="1", LC_SLEEP="0.1"),
+                         rec, steps=13)
     stopped = records(str(rec), "steps", 1)[-1]["step"]
     assert stopped < 48, "the run trained to the end: the stop was not honoured"
     ckpts = tmp_path / "runs" / "jp" / "checkpoints"
@@ -165,18 +163,6 @@ def test_a_user_error_on_one_rank_exits_2_with_its_line_and_no_abort(tmp_path, b
     assert ABORT not in result.output and "Traceback" not in result.output, result.output
 
 
-NEVER_DESTROYS = """\
-import os, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-dist.init_process_group("gloo")
-model = DDP(torch.nn.Linear(10, 5))
-opt = torch.optim.SGD(model.parameters(), lr=0.001)
-for _ in range(20):
-    opt.zero_grad()
-    model(torch.randn(20, 10)).sum().backward()
-    opt.step()
-print("done", os.environ["RANK"], flush=True)
-"""
 
 
 @pytest.mark.slow

@@ -92,7 +92,8 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, re
 
 
 @pytest.mark.slow
-def test_sigterm_to_launcher_saves_exits_for_requeue_and_relaunch_resumes(tmp_path, reference):
+def test_sigterm_to_launcher_saves_exits_for_requeue_and_relaunch_resumes(tmp_path, reference,
+                                                                       busy_cores):
     rec = tmp_path / "rec"
     args = ["--max-restarts", "3", *TRAIN, "--name", "pre", TASK]
     first = Launcher(args, plugin_env(rec, EL_STEP_SLEEP="0.2"), tmp_path, "first")
