@@ -90,7 +90,7 @@ def distrun_run_validation(run):
 
 @hookimpl
 def distrun_state_dict(run) -> dict[str, Any]:
-    from distrun.train.loop import rng_state
+    from distrun.train.rng import rng_state
 
     state: dict[str, Any] = {"progress": run.progress.state_dict(), "rng": rng_state()}
     if run.sampler is not None:
@@ -100,7 +100,7 @@ def distrun_state_dict(run) -> dict[str, Any]:
 
 @hookimpl
 def distrun_load_state_dict(run, state):
-    from distrun.train.loop import set_rng_state
+    from distrun.train.rng import set_rng_state
 
     if "progress" in state:
         run.progress.load_state_dict(state["progress"])

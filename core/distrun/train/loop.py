@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import signal
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -16,24 +15,14 @@ from distrun.registry.collect import choose_strategy, collect_strategies
 from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.keys import UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
+from distrun.train.rng import seed_everything
 from distrun.train.run import Run
 from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
 from distrun.train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
 
-__all__ = ["fit_loop", "setup_run", "seed_everything"]
+__all__ = ["fit_loop", "setup_run"]
 
 log = logging.getLogger("distrun")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def setup_run(run: Run) -> None:
@@ -396,46 +385,3 @@ def validation_loop(run: Run) -> dict[str, float]:
     values = packed.tolist()
     total = values[-1]
     return {name: v / total for name, v in zip(names, values[:-1])}
-
-
-# -- state the core contributes to checkpoints ------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
-    except ImportError:  # pragma: no cover
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    if "python" in state:
-        random.setstate(_to_tuple(state["python"]))
-    if "torch" in state:
-        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.as_tensor(state["cuda"], dtype=torch.uint8))
-
-
-def _to_json(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
-
-
-def _to_tuple(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_to_tuple(v) for v in value)
-    return value

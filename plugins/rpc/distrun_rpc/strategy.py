@@ -134,7 +134,7 @@ class RpcStrategy(BaseStrategy):
         self._owns_group = True
 
     def _build_server_state(self, run: Run) -> server.ServerState:
-        from distrun.train.loop import seed_everything
+        from distrun.train.rng import seed_everything
 
         index = self.roles.role_rank
         batch = int(self.config.rpc_update_batch) or self.roles.trainers
