@@ -1,8 +1,8 @@
 """A plain torchrun-style script (no torch, no distrun): prints its launch environment.
 
 With ``FAIL_FIRST=1``, rank 1 of the first attempt exits with code 3 after printing; with
-``FAIL_ALWAYS=1`` rank 1 does so in every attempt (with ``FAIL_CODE``, default 3) while
-rank 0 waits to be stopped.
+``FAIL_ALWAYS=1`` rank 1 does so in every attempt (with ``FAIL_CODE``, default 3), once rank 0
+has printed, while rank 0 waits to be stopped.
 """
 
 import json
@@ -19,6 +19,14 @@ if os.environ.get("FAIL_FIRST") and env["TORCHELASTIC_RESTART_COUNT"] == "0" and
     print("first attempt fails on purpose", file=sys.stderr, flush=True)
     sys.exit(3)
 if os.environ.get("FAIL_ALWAYS"):
+    # rank 1 fails only once rank 0 has printed: under load rank 0 may start much later, and
+    # the agent stops it as soon as rank 1 fails
+    ready = f"ready-{env['TORCHELASTIC_RUN_ID']}-{env['TORCHELASTIC_RESTART_COUNT']}"
+    if env["RANK"] == "0":
+        open(ready, "w").close()
+    deadline = time.monotonic() + 60
+    while env["RANK"] == "1" and not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if env["RANK"] == "1":
         print(f"attempt {env['TORCHELASTIC_RESTART_COUNT']}: step 3 went wrong", file=sys.stderr)
         print("ValueError: injected failure", file=sys.stderr, flush=True)
