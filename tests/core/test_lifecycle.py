@@ -50,15 +50,16 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120
         time.sleep(0.05)
 
 
-def _preempt_after(proc: subprocess.Popen, rec: Path, steps: int) -> str:
-    """SIGTERM to the launcher once rank 1 has trained ``steps``: exit 143, no abort."""
+def _preempt_after(proc: subprocess.Popen, rec: Path, steps: int,
+                   sig: int = signal.SIGTERM, code: int = 143) -> str:
+    """``sig`` to the launcher once rank 1 has trained ``steps``: exit ``code``, no abort."""
     try:
         _wait_for(lambda: len(records(str(rec), "steps", 1)) >= steps, f"step {steps}", proc)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143, out
+    assert proc.returncode == code, out
     assert ABORT not in out, out
     return out
 
@@ -124,6 +125,18 @@ def test_sigterm_to_the_launcher_saves_that_step_and_resume_trains_each_step_onc
         steps = [r["step"] for r in records(str(rec), "steps", rank)]
         # 256 samples / 16 a step, 2 epochs: every step once across the two launches
         assert steps == list(range(1, 33)), (rank, steps)
+
+
+def test_ctrl_c_saves_the_step_and_exits_130(tmp_path, busy_cores):
+    pytest.importorskip("distrun_safetensors", reason="the stop checkpoint")
+    rec = tmp_path / "rec"
+    proc = _launch(tmp_path, rec, "--max-epochs", "2", "--batch-size", "16", "--name", "cc",
+                   LC_SLEEP="0.05")
+    out = _preempt_after(proc, rec, steps=5, sig=signal.SIGINT, code=130)
+    last = [records(str(rec), "steps", r)[-1]["step"] for r in range(2)]
+    assert last[0] == last[1], (last, out)
+    latest = tmp_path / "runs" / "cc" / "checkpoints" / "latest"
+    assert latest.read_text().strip() == f"step-{last[0]}", out
 
 
 def test_sigterm_under_join_stops_every_rank_after_the_same_step(tmp_path, busy_cores):

@@ -344,8 +344,9 @@ def wait_with_signals(group: WorkerGroup) -> int:
         received.append(signum)
         if group.stopping_since is None:
             group.stopping_since = time.monotonic()
-        group.signal_all(signal.SIGTERM if signum == signal.SIGINT and len(received) > 1
-                         else signum)
+        # a second Ctrl-C goes on as SIGINT too: a worker that is already stopping at the next
+        # step boundary takes it as "now" (KeyboardInterrupt)
+        group.signal_all(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

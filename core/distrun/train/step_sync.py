@@ -1,7 +1,7 @@
 """Stop requests agreed by every rank at optimizer-step boundaries, apart from logging.
 
-A stop is asked for locally: a signal (SIGTERM/SIGINT/SIGUSR1: preemption, save and exit for
-requeue) or a plugin's :meth:`~distrun.train.run.Run.request_stop` (early stopping: end the
+A stop is asked for locally: a signal (SIGTERM/SIGUSR1: preemption, save and exit 143 for
+requeue; SIGINT the same with exit 130) or a plugin's :meth:`~distrun.train.run.Run.request_stop` (early stopping: end the
 fit normally). Each rank casts its vote at every step boundary in one small all-reduce (MAX)
 that runs in the background while the next step computes; the result is read at the next
 boundary, so every rank stops after the same step and no rank waits on the vote. A request

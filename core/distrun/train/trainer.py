@@ -21,7 +21,9 @@ from distrun.train.run import EXIT_REQUEUE, Run
 __all__ = ["Trainer", "worker_config"]
 
 log = logging.getLogger("distrun")
-_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: stop requests: save at an agreed step boundary and exit (143; 130 for SIGINT, whose second
+#: arrival interrupts at once, as Ctrl-C twice does)
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 #: set once the loop starts: a timeout before that is a rank stuck before training
 _TRAINING: StashKey[bool] = StashKey("trainer.training")
 
@@ -109,7 +111,7 @@ class Trainer:
                 if run.strategy is not None:
                     run.strategy.teardown()
         if run.stop_signal is not None and run.done:
-            sys.exit(EXIT_REQUEUE)
+            sys.exit(128 + signal.SIGINT if run.stop_signal == signal.SIGINT else EXIT_REQUEUE)
         return run
 
     def _fit(self, run: Run) -> None:
@@ -160,17 +162,32 @@ def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
     return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
 
 
+#: seconds a rank whose collective failed waits for its launcher's stop signal
+_PEER_GRACE = 3.0
+
+
 def _is_lost_peer(exc: BaseException, run: Run) -> bool:
-    """A collective that failed before the timeout: most often another rank has stopped."""
-    return run.world_size > 1 and isinstance(exc, RuntimeError) \
-        and _raised_in(exc, _COLLECTIVE_MODULES)
+    """A collective that failed because another rank stopped, told by evidence, not text.
+
+    When a rank fails, every launcher (distrun's, the elastic agent, torchrun) stops the others
+    with SIGTERM. So a ``RuntimeError`` from collective code counts as a lost peer only once
+    that signal arrived; an error of the rank's own (DDP's unused parameters...) gets no
+    signal and keeps its traceback.
+    """
+    if run.world_size < 2 or not isinstance(exc, RuntimeError) \
+            or not _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun.train.step_sync")):
+        return False
+    deadline = time.monotonic() + _PEER_GRACE
+    while run.stop_signal is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the signal handler runs between these sleeps
+    return run.stop_signal is not None
 
 
 def _lost_peer_message(run: Run, exc: BaseException) -> str:
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    return (f"rank {run.rank}: a collective failed at step {run.progress.step}, most often "
-            f"because another rank stopped (its error is above; --debug shows this rank's "
-            f"traceback): {first[:200]}")
+    return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
+            f"another rank stopped (its error is above; --debug shows this rank's traceback): "
+            f"{first[:200]}")
 
 
 def _dist_error() -> type[BaseException]:
@@ -207,6 +224,8 @@ def _install_stop_handlers(run: Run) -> dict[int, Any]:
     previous = {}
 
     def on_stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and run.stop_signal is not None:
+            raise KeyboardInterrupt
         run.stop_signal = signum
 
     for name in _STOP_SIGNALS:
