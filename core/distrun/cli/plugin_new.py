@@ -1,6 +1,7 @@
 """``distrun plugin new NAME``: write a working plugin folder to start from.
 
-The folder holds a pyproject with the ``distrun`` entry point, a torch-free ``plugin.py`` with
+The files come from ``plugin_template/*.tmpl`` (``@NAME@`` and the like filled in). The folder
+holds a pyproject with the ``distrun`` entry point, a torch-free ``plugin.py`` with
 an option and three hook implementations, a test that runs ``distrun`` through
 ``distrun.testing``, a README and a tox env. ``pip install -e NAME`` and it shows up in
 ``distrun plugins``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from importlib import resources
 
 import click
 
@@ -20,164 +22,10 @@ __all__ = ["plugin_files", "write_plugin"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
-_PYPROJECT = '''\
-[build-system]
-requires = ["setuptools>=64"]
-build-backend = "setuptools.build_meta"
 
-[project]
-name = "distrun-@DIST@"
-version = "0.1.0"
-description = "@SUMMARY@"
-readme = "README.md"
-requires-python = ">=3.10"
-dependencies = ["distrun>=0.1"]
-
-[project.optional-dependencies]
-test = ["pytest>=8"]
-
-# distrun finds plugins through this entry point group; the key is the plugin's name.
-[project.entry-points.distrun]
-@NAME@ = "distrun_@NAME@.plugin"
-
-[tool.setuptools.packages.find]
-include = ["distrun_@NAME@*"]
-
-[tool.setuptools.package-data]
-"distrun_@NAME@" = ["py.typed"]
-'''
-
-_INIT = '''\
-"""distrun-@DIST@: @SUMMARY@."""
-
-__version__ = "0.1.0"
-'''
-
-_PLUGIN = '''\
-"""Entry point of distrun-@DIST@: @SUMMARY@.
-
-Keep this module torch-free at import time (`distrun --help` and `distrun plugins`
-load it): import torch inside hook bodies, or keep torch code in another module.
-The hooks and their contracts: `python -m pydoc distrun.spec.hookspecs`.
-"""
-
-from __future__ import annotations
-
-from distrun import Option, StashKey, hookimpl
-
-_STEPS: StashKey[int] = StashKey("@NAME@.steps")  # this plugin's slot in run.stash
-
-
-@hookimpl
-def distrun_register_options(register):
-    # Gives --@FLAG@-report/--no-@FLAG@-report, DISTRUN_@UPPER@_REPORT and a TOML key.
-    register(Option("@NAME@_report", bool, True, plugin="@NAME@",
-                    help="print how many optimizer steps ran, on rank 0 at the end"))
-
-
-@hookimpl
-def distrun_on_fit_start(run):
-    run.stash[_STEPS] = 0
-
-
-@hookimpl
-def distrun_on_step_end(run, step, metrics):
-    run.stash[_STEPS] += 1  # hot path: keep it cheap
-
-
-@hookimpl
-def distrun_on_fit_end(run):
-    if run.is_global_zero and run.config.@NAME@_report:
-        print(f"@NAME@: {run.stash[_STEPS]} steps", flush=True)
-'''
-
-_TEST = '''\
-"""distrun-@DIST@ tested the way a user runs it: `distrun` in a subprocess."""
-
-from __future__ import annotations
-
-from distrun.testing import run_cli
-
-TASK = """
-import torch
-import distrun
-
-
-class Task(distrun.Task):
-    def configure_model(self):
-        return torch.nn.Linear(4, 1)
-
-    def train_data(self):
-        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-
-    def training_step(self, model, batch):
-        x, y = batch
-        return torch.nn.functional.mse_loss(model(x), y)
-"""
-
-
-def test_listed_by_distrun_plugins():
-    result = run_cli("plugins")
-    assert result.returncode == 0, result
-    assert "@NAME@ 0.1.0 (distrun-@DIST@)" in result.stdout, result
-
-
-def test_reports_the_steps_run(tmp_path):
-    (tmp_path / "task.py").write_text(TASK)
-    result = run_cli("run", "--max-steps", "3", "--batch-size", "16", "task.py:Task",
-                     cwd=tmp_path)
-    assert result.returncode == 0, result
-    assert "@NAME@: 3 steps" in result.stdout, result
-
-
-def test_option_turns_the_report_off(tmp_path):
-    (tmp_path / "task.py").write_text(TASK)
-    result = run_cli("run", "--max-steps", "2", "--batch-size", "16",
-                     "--no-@FLAG@-report", "task.py:Task", cwd=tmp_path)
-    assert result.returncode == 0, result
-    assert "@NAME@:" not in result.stdout, result
-'''
-
-_README = '''\
-# distrun-@DIST@
-
-@SUMMARY@.
-
-A distrun plugin: it counts the optimizer steps of a run and prints
-the count on rank 0 at the end. Replace the hooks in `distrun_@NAME@/plugin.py` with yours.
-
-## Install and try
-
-    pip install -e .            # registers the entry point `@NAME@` in group `distrun`
-    distrun plugins             # lists `@NAME@ 0.1.0 (distrun-@DIST@)` and its hooks
-    distrun run --help          # shows --@FLAG@-report / --no-@FLAG@-report
-
-## Options
-
-| flag | TOML key | variable | default |
-|---|---|---|---|
-| `--@FLAG@-report/--no-@FLAG@-report` | `@NAME@_report` | `DISTRUN_@UPPER@_REPORT` | true |
-
-## Test
-
-    pip install -e ".[test]" && pytest      # or: tox
-
-Inside the distrun repository, add this line to the `deps` of `[testenv:contrib-...]` in
-tox.ini (and `@NAME@` to its env list):
-
-    contrib-@NAME@: -e plugins_contrib/@NAME@
-'''
-
-_TOX = '''\
-[tox]
-env_list = py
-
-[testenv]
-description = the plugin's tests against the installed distrun
-deps = pytest>=8
-commands = pytest {posargs:tests}
-'''
+def _template(name: str) -> str:
+    """The text of ``plugin_template/NAME.tmpl`` (package data, read as files are installed)."""
+    return (resources.files("distrun.cli") / "plugin_template" / f"{name}.tmpl").read_text()
 
 
 def plugin_files(name: str, summary: str = "") -> dict[str, str]:
@@ -196,13 +44,13 @@ def plugin_files(name: str, summary: str = "") -> dict[str, str]:
 
     pkg = f"distrun_{name}"
     return {
-        "pyproject.toml": fill(_PYPROJECT),
-        f"{pkg}/__init__.py": fill(_INIT),
-        f"{pkg}/plugin.py": fill(_PLUGIN),
+        "pyproject.toml": fill(_template("pyproject.toml")),
+        f"{pkg}/__init__.py": fill(_template("__init__.py")),
+        f"{pkg}/plugin.py": fill(_template("plugin.py")),
         f"{pkg}/py.typed": "",
-        f"tests/test_{name}.py": fill(_TEST),
-        "README.md": fill(_README),
-        "tox.ini": _TOX,
+        f"tests/test_{name}.py": fill(_template("test_plugin.py")),
+        "README.md": fill(_template("README.md")),
+        "tox.ini": _template("tox.ini"),
     }
 
 
