@@ -127,6 +127,10 @@ CASES: list[Callable[[Path], tuple[list[str], str]]] = [
 ]
 
 
+#: this checkout (the editable installs' sources and metadata live in it)
+REPO = str(Path(__file__).resolve().parents[3])
+
+
 def _tree(root: Path) -> dict[str, float]:
     return {str(p): p.lstat().st_mtime for p in root.rglob("*")}
 
@@ -135,7 +139,7 @@ def _outside_reads(opened: list[str], root: Path) -> list[str]:
     """Opened paths outside the checkpoint root that are not Python's own files."""
     real = os.path.realpath(root)
     ok = (real + os.sep, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
-          "/dev/", "/proc/", "/sys/", "/etc/", "/work/main/")
+          "/dev/", "/proc/", "/sys/", "/etc/", REPO + os.sep)
     return [p for p in opened if not os.path.realpath(p).startswith(ok)]
 
 
