@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pluggy
 
@@ -27,6 +28,18 @@ _OPTIONS: weakref.WeakKeyDictionary[pluggy.PluginManager, tuple[frozenset[int], 
     = weakref.WeakKeyDictionary()
 
 
+def _registrar(out: dict[str, Any], what: str, verb: str) -> Callable[[Any], None]:
+    """The ``register`` callback of a registration hook: a name given twice is a plugin bug."""
+
+    def register(item: Any) -> None:
+        if item.name in out:
+            raise UsageError(f"{what} {item.name!r} is {verb} twice "
+                             f"({out[item.name].plugin} and {item.plugin})")
+        out[item.name] = item
+
+    return register
+
+
 def collect_options(pm: pluggy.PluginManager) -> list[Option]:
     """Core options and every plugin's; a name declared twice is a plugin bug.
 
@@ -38,28 +51,14 @@ def collect_options(pm: pluggy.PluginManager) -> list[Option]:
     if cached is not None and cached[0] == plugins:
         return list(cached[1])
     out: dict[str, Option] = {o.name: o for o in core_options()}
-
-    def register(option: Option) -> None:
-        if option.name in out:
-            raise UsageError(f"option {option.name!r} is declared twice "
-                             f"({out[option.name].plugin} and {option.plugin})")
-        out[option.name] = option
-
-    pm.hook.distrun_register_options(register=register)
+    pm.hook.distrun_register_options(register=_registrar(out, "option", "declared"))
     _OPTIONS[pm] = (plugins, list(out.values()))
     return list(out.values())
 
 
 def collect_strategies(pm: pluggy.PluginManager) -> dict[str, StrategyInfo]:
     out: dict[str, StrategyInfo] = {}
-
-    def register(info: StrategyInfo) -> None:
-        if info.name in out:
-            raise UsageError(f"strategy {info.name!r} is offered twice "
-                             f"({out[info.name].plugin} and {info.plugin})")
-        out[info.name] = info
-
-    pm.hook.distrun_register_strategies(register=register)
+    pm.hook.distrun_register_strategies(register=_registrar(out, "strategy", "offered"))
     return out
 
 
