@@ -1,12 +1,14 @@
 """Checkpoint save/load: distrun-safetensors vs torch.save, torch.distributed.checkpoint and the
-disk's own fsync'd write speed, side by side on 2 gloo ranks in one run.
+disk's own speed (`dd oflag=direct`, and a Python write + fsync), side by side on 2 gloo ranks
+in one run; then the training stall of an async save against a plain ``copy_`` of its bytes.
 
     python benchmarks/checkpoint.py            # ~1 GB float32 model (16 x 4096 x 4096)
     python benchmarks/checkpoint.py --quick    # ~64 MB
 
 The model is replicated on both ranks (DDP's layout). Each figure is the slowest rank's time
 from a barrier to the end of the operation. Writes are fsynced by every method (torch.save
-gets an explicit fsync; DCP's FileSystemWriter syncs by default). Loads read from the page
+gets an explicit fsync; DCP's FileSystemWriter syncs by default); before each one the disk is
+flushed (`sync`) and left idle a moment, and the scratch files of the others are deleted. Loads read from the page
 cache (the files were just written; dropping caches needs root), so they measure the read
 path, not the disk. "extra RSS" is the peak resident-set growth during the save, sampled
 every 2 ms, against the largest tensor.
@@ -15,8 +17,11 @@ every 2 ms, against the largest tensor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -85,6 +90,30 @@ def _fsync_write(path: str, tensors: list[torch.Tensor]) -> None:
         os.fsync(fh.fileno())
 
 
+DD_BLOCK = 64 << 20  # dd bs=64M
+
+
+def _dd(path: str, nbytes: int) -> int:
+    """``dd if=/dev/zero bs=64M oflag=direct`` of at least ``nbytes``; returns the bytes written."""
+    count = -(-nbytes // DD_BLOCK)
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}",
+                    "oflag=direct", "status=none"], check=True)
+    return count * DD_BLOCK
+
+
+def _settle(root: str, rank: int) -> None:
+    """Before each timed method: remove the scratch files of the others, flush every dirty page
+    and let the disk go idle, so no method pays for another's deletes or writeback."""
+    import torch.distributed as dist
+
+    for name in (f"raw-{rank}.bin", f"dd-{rank}.bin"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, name))
+    os.sync()
+    dist.barrier()
+    time.sleep(0.2)
+
+
 def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
                repeat: int) -> dict[str, Any]:
     import warnings
@@ -101,13 +130,22 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
     model = make_model(layers, dim)
     sd = model.state_dict()
     out: dict[str, Any] = {}
+    times: dict[str, list[float]] = {}
     tensors = list(sd.values())
     mine = tensors[rank::world]  # the same bytes our save writes per rank (an even split)
+    mine_bytes = sum(t.numel() * t.element_size() for t in mine)
 
     saver = Checkpointer(os.path.join(root, "ours"), keep_last=1)
+    background = Checkpointer(os.path.join(root, "async"), keep_last=1, async_save=True)
+    buffers = [torch.empty_like(t) for t in mine]  # the copy_ baseline: preallocated, reused
+    staged: list[int] = []
+    written: list[float] = []
 
     def disk() -> None:
         _fsync_write(os.path.join(root, f"raw-{rank}.bin"), mine)
+
+    def direct() -> None:
+        out["dd_bytes"] = _dd(os.path.join(root, f"dd-{rank}.bin"), mine_bytes)
 
     def torch_save() -> None:
         if rank == 0:
@@ -116,18 +154,38 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
 
+    def copy() -> None:
+        for buf, t in zip(buffers, mine, strict=True):
+            buf.copy_(t)
+
     # rounds interleave the methods so load swings of a shared machine hit all of them alike;
-    # each figure is the best round
+    # each figure is the median of the rounds (the async stall: of the rounds after the first,
+    # which allocates the buffers)
     for step in range(1, repeat + 1):
-        methods = (("disk", disk), ("ours_save", lambda step=step: saver.save(step, model)),
+        methods = (("dd", direct), ("disk", disk),
+                   ("ours_save", lambda step=step: saver.save(step, model)),
                    ("torch_save", torch_save),
-                   ("dcp_save", lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))))
+                   ("dcp_save", lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))),
+                   ("copy", copy),
+                   ("async_stall", lambda step=step: background.save(step, model)))
         for key, fn in methods:
+            _settle(root, rank)
             with PeakRSS() as mem:
                 seconds = _timed(fn)
-            out[key] = min(out.get(key, seconds), seconds)
+            if key == "ours_save":
+                saver.wait()  # the pruning of the previous round's checkpoint, not timed
+            if key == "async_stall":
+                background.wait()
+                written.append(background.stats["write_s"])
+                staged.append(sum(b.data_ptr() for b in background._staging.values()))
+                if step == 1:
+                    continue
+            times.setdefault(key, []).append(seconds)
             out[key + "_extra_rss"] = max(out.get(key + "_extra_rss", 0), mem.extra)
-        os.unlink(os.path.join(root, f"raw-{rank}.bin"))
+    out.update({key: statistics.median(values) for key, values in times.items()})
+    out["async_write"] = statistics.median(written)
+    out["reused"] = len(set(staged)) == 1
+    out["mine_bytes"] = mine_bytes
     latest = os.path.join(root, "ours", f"step-{repeat}")
 
     fresh = make_model(layers, dim)
@@ -142,8 +200,8 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
                                                weights_only=True)))
     for _ in range(repeat):
         for key, fn in loads:
-            seconds = _timed(fn)
-            out[key] = min(out.get(key, seconds), seconds)
+            times.setdefault(key, []).append(_timed(fn))
+    out.update({key: statistics.median(times[key]) for key, _ in loads})
     load(latest, fresh)
     ok = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), tensors,
                                                strict=True))
@@ -173,8 +231,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~64 MB model instead of ~1 GB")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds; the best is reported")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds (>= 2); each figure is the median")
     args = parser.parse_args(argv)
+    if args.repeat < 2:
+        parser.error("--repeat must be at least 2 (the first async save allocates its buffers)")
     layers, dim = (16, 1024) if args.quick else (16, 4096)
     root = tempfile.mkdtemp(prefix="distrun-ckpt-bench-", dir=args.dir)
     from distrun.testing import run_on_ranks
@@ -188,32 +249,44 @@ def main(argv: list[str]) -> int:
     r0 = res[0]
     size = r0["bytes"]
 
+    def slowest(key: str) -> float:
+        return max(r[key] for r in res)
+
     def rate(key: str) -> float:
-        return size / GB / max(r[key] for r in res)
+        return size / GB / slowest(key)
 
     print(f"model: {layers} x {dim}x{dim} float32 = {size / GB:.3f} GB, replicated on 2 ranks "
           f"(largest tensor {r0['largest'] / 1e6:.0f} MB); loads bit-equal: "
-          f"{all(r['ok'] for r in res)}")
+          f"{all(r['ok'] for r in res)}; medians of {args.repeat} interleaved rounds")
+    dd = sum(r["dd_bytes"] for r in res) / GB / slowest("dd")
     disk = rate("disk")
-    rows = [("fsync'd write of the same bytes (2 writers)", "disk"),
+    print(f"{'save (every byte fsynced)':<46} {'GB/s':>7} {'vs dd':>7} {'vs write':>9}")
+    print(f"{'dd if=/dev/zero bs=64M oflag=direct (2 at once)':<46} {dd:7.2f} {1:6.2f}x "
+          f"{dd / disk:8.2f}x")
+    rows = [("Python write + fsync, same bytes (2 at once)", "disk"),
             ("distrun-safetensors save", "ours_save"), ("torch.save on rank 0 + fsync", "torch_save"),
             ("torch.distributed.checkpoint save", "dcp_save")]
-    print(f"{'save':<46} {'GB/s':>7} {'vs disk':>8}")
     for label, key in rows:
-        print(f"{label:<46} {rate(key):7.2f} {rate(key) / disk:7.2f}x")
+        print(f"{label[:46]:<46} {rate(key):7.2f} {rate(key) / dd:6.2f}x {rate(key) / disk:8.2f}x")
     ours = rate("ours_save")
-    print(f"  ours vs torch.save: {ours / rate('torch_save'):.2f}x faster; "
-          f"ours vs DCP: {ours / rate('dcp_save'):.2f}x faster")
+    print(f"  ours vs dd: {ours / dd:.2f}x (target >= 0.8); vs torch.save: "
+          f"{ours / rate('torch_save'):.2f}x; vs DCP: {ours / rate('dcp_save'):.2f}x")
+    stall, copy = slowest("async_stall"), slowest("copy")
+    print(f"async save (--ckpt-async), {r0['mine_bytes'] / 1e6:.0f} MB per rank: training paused "
+          f"{stall * 1e3:.0f} ms per save; copy_ of the same bytes into preallocated buffers "
+          f"{copy * 1e3:.0f} ms: {stall / copy:.2f}x (target <= 1.3); background write "
+          f"{slowest('async_write'):.2f} s; buffers reused across saves: "
+          f"{all(r['reused'] for r in res)}")
     print(f"{'load (page cache warm)':<46} {'GB/s':>7}")
     for label, key in (("distrun-safetensors load (2 -> 2 ranks)", "ours_load"),
-                       ("  same, --no-ckpt-verify (no CRC pass)", "ours_load_noverify"),
+                       ("  same, --no-ckpt-verify (no checksum pass)", "ours_load_noverify"),
                        ("torch.distributed.checkpoint load", "dcp_load"),
                        ("torch.load(weights_only) on each rank", "torch_load")):
         print(f"{label:<46} {rate(key):7.2f}")
     same = max(r["ours_load"] for r in res)
     print(f"{'distrun-safetensors resharded load (2 -> 1)':<46} {size / GB / reshard:7.2f}   "
           f"{reshard / same:.2f}x the same-layout time")
-    print(f"  ours load vs DCP load: {rate('ours_load') / rate('dcp_load'):.2f}x with CRC check, "
+    print(f"  ours load vs DCP load: {rate('ours_load') / rate('dcp_load'):.2f}x with checksums, "
           f"{rate('ours_load_noverify') / rate('dcp_load'):.2f}x without")
     print("peak extra RSS during save, per rank (vs the largest tensor):")
     for key, label in (("ours_save_extra_rss", "distrun-safetensors"),

@@ -8,17 +8,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, crc32_file, member, read_header
+from distrun_safetensors.checksums import checksum, file_checksum
+from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, member, read_header
 
 __all__ = ["FORMAT", "VERSION", "Checkpoint", "candidates", "inside", "outside_links",
            "read_latest", "validate"]
 
 FORMAT = "distrun-safetensors"
-VERSION = 1
+#: 2: files are checked with CRC-32C (the manifest's ``checksum``); 1: zlib's CRC-32
+VERSION = 2
 MANIFEST = "manifest.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
@@ -57,15 +58,25 @@ class Checkpoint:
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
 
+    @property
+    def checksum(self) -> str:
+        """The name of the checksum each file entry of the manifest carries."""
+        return checksum_name(self.manifest)
+
     def path(self, name: str) -> str:
         return member(self.folder, name)
+
+
+def checksum_name(manifest: dict[str, Any]) -> str:
+    """Version 1 manifests used zlib's CRC-32; later ones name theirs in ``checksum``."""
+    return str(manifest.get("checksum") or "crc32")
 
 
 # -- reading the small JSON files ----------------------------------------------------------------
 
 
 def _read_json(path: str, what: str, expect: dict[str, Any] | None = None,
-               verify: bool = True) -> Any:
+               verify: bool = True, algorithm: str = "crc32") -> Any:
     try:
         size = os.path.getsize(path)
         if size > _JSON_LIMIT:
@@ -80,7 +91,7 @@ def _read_json(path: str, what: str, expect: dict[str, Any] | None = None,
         if len(data) != expect.get("size"):
             raise CheckpointError(f"{path}: {what} is {len(data)} bytes, the manifest says "
                                   f"{expect.get('size')} (truncated or replaced)")
-        if verify and f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != expect.get("crc32"):
+        if verify and checksum(data, algorithm) != expect.get(algorithm):
             raise CheckpointError(f"{path}: checksum mismatch (corrupted {what})")
     try:
         obj = json.loads(data)
@@ -193,7 +204,7 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
 
     Every caller checks the manifest, the indexes and every file's size. The big files are
     split among ``world`` callers (``rank`` checks files ``rank, rank + world, ...``): their
-    headers against the indexes and, with ``verify``, their CRC-32. Together the ranks read
+    headers against the indexes and, with ``verify``, their checksums. Together the ranks read
     each byte once.
     """
     manifest = read_manifest(folder)
@@ -210,11 +221,11 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
                                   "(truncated or replaced)")
     for name, attr in ((MODEL_INDEX, "model"), (OPTIM_INDEX, "optim")):
         if name in files:
-            index = _read_json(member(folder, name), "index", files[name], verify)
+            index = _read_json(member(folder, name), "index", files[name], verify, ckpt.checksum)
             setattr(ckpt, attr, _check_index(folder, name, index, files))
     if OPTIM_JSON in files:
         ckpt.optimizer = _read_json(member(folder, OPTIM_JSON), "optimizer state",
-                                    files[OPTIM_JSON], verify)
+                                    files[OPTIM_JSON], verify, ckpt.checksum)
     expected: dict[str, dict[str, tuple[str, list[int]]]] = {}
     for tensors in (ckpt.model, ckpt.optim):
         for info in tensors.values():
@@ -223,7 +234,7 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
                     info["dtype"], piece["shape"])
     for name in sorted(files)[rank::world]:
         path = member(folder, name)
-        if verify and files[name].get("crc32") != crc32_file(path):
+        if verify and files[name].get(ckpt.checksum) != file_checksum(path, ckpt.checksum):
             raise CheckpointError(f"{path}: checksum mismatch (corrupted file)")
         if not name.endswith(".safetensors"):
             continue

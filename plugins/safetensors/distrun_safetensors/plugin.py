@@ -54,11 +54,22 @@ def distrun_save_checkpoint(run, reason):
         saver.async_save = False  # the process exits right after: write it now
     info = {"strategy": getattr(run.strategy, "name", None),
             "progress": run.progress.state_dict()}
+    if run.is_global_zero and saver.on_written is None:
+        saver.on_written = lambda stats: run.log.info(
+            "Checkpoint %s written in the background in %.2f s", stats["path"],
+            stats["write_s"])
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
                       run.state_dict(), reason=reason, info=info)
     run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
-        run.log.info("Checkpoint %s (%s)", path, reason)
+        stats = saver.stats
+        if stats.get("write_s") is None:  # async: training goes on while it is written
+            waited = (f", of which {stats['waited_s'] * 1e3:.0f} ms waiting for the previous "
+                      "write") if stats["waited_s"] >= 0.001 else ""
+            run.log.info("Checkpoint %s (%s): training paused %.0f ms to copy the state%s",
+                         path, reason, stats["stall_s"] * 1e3, waited)
+        else:
+            run.log.info("Checkpoint %s (%s) in %.2f s", path, reason, stats["write_s"])
     return path
 
 

@@ -22,6 +22,7 @@ import torch
 
 from distrun.launch.lifeline import launcher_alive
 from distrun_safetensors import comm
+from distrun_safetensors.checksums import DEFAULT as CHECKSUM
 from distrun_safetensors.files import (
     CheckpointError,
     durable,
@@ -100,8 +101,16 @@ class Checkpointer:
         self.keep_last = keep_last
         self.split_bytes = split_bytes
         self.async_save = async_save
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # an async save's write and commit
+        self._pruner: threading.Thread | None = None  # rank 0: removing old checkpoints
         self._error: BaseException | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # async: CPU copies, reused between saves
+        #: the last save: ``{"step", "stall_s", "waited_s", "write_s"}``: the time the caller was
+        #: held (of which ``waited_s`` waiting for the previous async write) and the time to
+        #: write and commit (None while an async write is in flight). ``on_written(stats)`` is
+        #: called (in the writing thread) once an async save is committed.
+        self.stats: dict[str, Any] = {}
+        self.on_written: Any = None
         self._group: Any = None
         self.last: tuple[int, str] | None = None
         self.pending: tuple[int, str] | None = None
@@ -116,7 +125,9 @@ class Checkpointer:
         With ``async_save`` the tensors are copied to CPU memory here and written by a
         background thread; the returned path exists once :meth:`wait` returns.
         """
-        self.wait()
+        started = time.perf_counter()
+        self.wait()  # the previous async write: its buffers are about to be reused
+        waited = time.perf_counter() - started
         final = os.path.join(self.directory, f"step-{step}")
         if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
             return self.last[1]
@@ -147,24 +158,33 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
         if not self.async_save:
             self._write_and_commit(job, tmp, final, None)
+            seconds = time.perf_counter() - started
+            self.stats = {"step": step, "stall_s": seconds, "waited_s": waited,
+                          "write_s": seconds}
             return final
-        job["pieces"] = [_stage(p) for p in job["pieces"]]
+        job["pieces"] = self._stage(job["pieces"])
         if self._group is None and comm.active():
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")
         self.pending = (step, final)
+        self.stats = {"step": step, "stall_s": time.perf_counter() - started,
+                      "waited_s": waited, "write_s": None}
         self._thread = threading.Thread(target=self._background, name="distrun-ckpt-save",
                                         args=(job, tmp, final), daemon=True)
         self._thread.start()
         return final
 
     def wait(self) -> None:
-        """Wait for an async save in flight; re-raise its error on this rank."""
+        """Wait for an async save in flight and for the pruning of old checkpoints; re-raise
+        the async save's error on this rank."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
             self.pending = None
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -193,11 +213,40 @@ class Checkpointer:
                 "state_tensors": state_tensors, "meshes": layouts, "info": dict(info or {}),
                 "order": list(model_sd)}
 
+    def _stage(self, pieces: list[tuple[str, Piece]]) -> list[tuple[str, Piece]]:
+        """Copy each piece into its CPU buffer (allocated on the first save, then reused:
+        :meth:`save` waits for the previous write before it overwrites them)."""
+        staged, used = [], set()
+        on_gpu = False
+        for kind, piece in pieces:
+            src = piece.tensor.detach()
+            cuda = src.device.type == "cuda"  # pinned buffers let the copy run asynchronously
+            on_gpu = on_gpu or cuda
+            name = f"{kind}/{piece.key}"
+            buf = self._staging.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
+                self._staging[name] = buf
+            buf.copy_(src, non_blocking=cuda)
+            used.add(name)
+            staged.append((kind, Piece(piece.name, piece.key, piece.dtype, piece.global_shape,
+                                       piece.offsets, buf, piece.layout)))
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies are complete before training moves on
+        for name in set(self._staging) - used:  # a tensor the model no longer has
+            del self._staging[name]
+        return staged
+
     def _background(self, job: dict[str, Any], tmp: str, final: str) -> None:
+        started = time.perf_counter()
         try:
             self._write_and_commit(job, tmp, final, self._group)
         except BaseException as exc:  # re-raised on the main thread by wait()
             self._error = exc
+            return
+        self.stats["write_s"] = time.perf_counter() - started
+        if self.on_written is not None:
+            self.on_written(dict(self.stats, path=final))
 
     def _write_and_commit(self, job: dict[str, Any], tmp: str, final: str, group: Any) -> None:
         error = None
@@ -250,7 +299,7 @@ class Checkpointer:
         manifest = {
             "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
             "committed_at": time.time(), "world_size": job["world"],
-            "meshes": job["meshes"], "checksum": "crc32", "files": files,
+            "meshes": job["meshes"], "checksum": CHECKSUM, "files": files,
             "states": {"world_size": job["world"],
                        "files": [r["state_files"] for r in reports]},
             **job["info"],
@@ -280,7 +329,10 @@ class Checkpointer:
         os.replace(pointer, os.path.join(self.directory, LATEST))
         fsync_dir(self.directory)
         durable("latest replaced")
-        self._prune(final)
+        # removing old checkpoints is housekeeping: it overlaps training (wait() joins it)
+        self._pruner = threading.Thread(target=self._prune, args=(final,), daemon=True,
+                                        name="distrun-ckpt-prune")
+        self._pruner.start()
         return {"error": None}
 
     def _release(self, tmp: str) -> None:
@@ -365,13 +417,6 @@ def sweep_stale(directory: str) -> list[str]:
                 finally:
                     os.close(fd)
     return removed
-
-
-def _stage(item: tuple[str, Piece]) -> tuple[str, Piece]:
-    kind, piece = item
-    copy = piece.tensor.detach().to("cpu", copy=True).contiguous()
-    return kind, Piece(piece.name, piece.key, piece.dtype, piece.global_shape, piece.offsets,
-                       copy, piece.layout)
 
 
 def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:

@@ -8,12 +8,11 @@ import json
 import os
 import struct
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-from st_layouts import build, compare, full_state, train_step
+from st_layouts import build, compare, full_state, reseal, train_step
 
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
@@ -38,14 +37,6 @@ def ckpt(tmp_path):
     return Checkpointer(str(tmp_path / "ckpt")).save(1, model, opt, {"progress": {"step": 1}})
 
 
-def _reseal(folder, name):
-    path = os.path.join(folder, "manifest.json")
-    manifest = json.loads(Path(path).read_text())
-    data = Path(os.path.join(folder, name)).read_bytes()
-    manifest["files"][name].update(size=len(data), crc32=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}")
-    Path(path).write_text(json.dumps(manifest))
-
-
 def _header(folder, name=MODEL_FILE):
     raw = Path(os.path.join(folder, name)).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -57,7 +48,7 @@ def _write_header(folder, header, data, n, name=MODEL_FILE):
     assert len(text) <= n
     text += b" " * (n - len(text))
     Path(os.path.join(folder, name)).write_bytes(struct.pack("<Q", n) + text + data)
-    _reseal(folder, name)
+    reseal(folder, name)
 
 
 def _edit_index(folder, fn):
@@ -65,7 +56,7 @@ def _edit_index(folder, fn):
     index = json.loads(Path(path).read_text())
     fn(index)
     Path(path).write_text(json.dumps(index))
-    _reseal(folder, "model.safetensors.index.json")
+    reseal(folder, "model.safetensors.index.json")
 
 
 def truncated(folder):
@@ -76,7 +67,7 @@ def truncated(folder):
 
 def truncated_resealed(folder):
     truncated(folder)
-    _reseal(folder, MODEL_FILE)
+    reseal(folder, MODEL_FILE)
     return f"{MODEL_FILE}: data section"
 
 
@@ -92,7 +83,7 @@ def header_too_long(folder):
     path = os.path.join(folder, MODEL_FILE)
     raw = Path(path).read_bytes()
     Path(path).write_bytes(struct.pack("<Q", len(raw) * 4) + raw[8:])
-    _reseal(folder, MODEL_FILE)
+    reseal(folder, MODEL_FILE)
     return "is larger than the file"
 
 

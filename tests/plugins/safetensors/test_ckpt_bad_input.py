@@ -12,12 +12,11 @@ import json
 import os
 import shutil
 import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from st_layouts import build, train_step
+from st_layouts import build, reseal, train_step
 
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
@@ -48,14 +47,6 @@ def ckpts(tmp_path: Path) -> Path:
     return root
 
 
-def _reseal(folder: Path, name: str) -> None:
-    """Fix the manifest's size and checksum of ``name``, so the deeper check is the one hit."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    data = (folder / name).read_bytes()
-    manifest["files"][name].update(size=len(data), crc32=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}")
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-
-
 # -- the cases: each damages the folder and returns (command args, the exact error line) -----
 
 
@@ -65,7 +56,7 @@ def dtype_is_a_list(c: Path) -> tuple[list[str], str]:
     name = next(iter(index["distrun"]["tensors"]))
     index["distrun"]["tensors"][name]["dtype"] = ["F32"]
     (step / INDEX).write_text(json.dumps(index))
-    _reseal(step, INDEX)
+    reseal(step, INDEX)
     return (["inspect", str(step)],
             f"error: {step / INDEX}: tensor {name!r} is described badly (dtype, shape or pieces)")
 

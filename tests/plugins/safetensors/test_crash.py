@@ -14,21 +14,27 @@ from distrun_safetensors.manifest import validate
 from distrun_safetensors.save import Checkpointer
 
 
-def _save_and_maybe_die(directory: str, step: int, kill_at: int) -> None:
+def _save_and_maybe_die(directory: str, step: int, kill_at: int, async_save: bool) -> None:
     kill_at_point(kill_at)
     model, opt = build("plain", seed=step)
     train_step(model, opt, step)
-    Checkpointer(directory, keep_last=1).save(step, model, opt, {"progress": {"step": step}})
+    saver = Checkpointer(directory, keep_last=1, async_save=async_save)
+    saver.save(step, model, opt, {"progress": {"step": step}})
+    if async_save:  # training moves on while the background thread writes the snapshot
+        train_step(model, opt, step + 100)
+    saver.wait()  # the pruning of the other step runs in the background: kills hit it too
     os._exit(0)
 
 
-def _kill_at_every_point(directory: str, step_of: object) -> tuple[int, list[str]]:
+def _kill_at_every_point(directory: str, step_of: object,
+                         async_save: bool = False) -> tuple[int, list[str]]:
     """Save (in a forked child) killed at event k = 1, 2, ... until a save completes; after
     each, `latest` must load a checkpoint whose tensors are exactly that step's."""
     ctx = mp.get_context("fork")
     loaded: list[str] = []
     for k in range(1, 40):
-        child = ctx.Process(target=_save_and_maybe_die, args=(directory, step_of(k), k))
+        child = ctx.Process(target=_save_and_maybe_die,
+                            args=(directory, step_of(k), k, async_save))
         child.start()
         child.join(120)
         assert child.exitcode in (0, -signal.SIGKILL), child.exitcode
@@ -43,6 +49,18 @@ def _kill_at_every_point(directory: str, step_of: object) -> tuple[int, list[str
         if child.exitcode == 0:
             return k - 1, loaded
     raise AssertionError("the save never completed without a kill")
+
+
+def test_kill_during_an_async_write_leaves_latest_loadable(tmp_path):
+    """--ckpt-async: the process dies while the background thread writes; what loads is
+    always a complete checkpoint holding the snapshot's tensors, never the later ones."""
+    directory = str(tmp_path / "ckpt")
+    model, opt = build("plain", seed=1)
+    train_step(model, opt, 1)
+    Checkpointer(directory, keep_last=1).save(1, model, opt, {"progress": {"step": 1}})
+    killed, loaded = _kill_at_every_point(directory, lambda k: 2 + k % 2, async_save=True)
+    assert killed >= 10, f"only {killed} kill points were exercised"
+    assert loaded[0] == "step-1" and loaded[-1] in ("step-2", "step-3")
 
 
 def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path):
@@ -79,7 +97,8 @@ def test_leftovers_of_a_killed_save_go_at_the_next_start_but_a_live_save_stays(t
     directory = str(tmp_path / "ckpt")
     os.makedirs(directory)
     # a save killed -9 after its first file: the temporary folder stays behind
-    child = mp.get_context("fork").Process(target=_save_and_maybe_die, args=(directory, 2, 1))
+    child = mp.get_context("fork").Process(target=_save_and_maybe_die,
+                                           args=(directory, 2, 1, False))
     child.start()
     child.join(120)
     assert child.exitcode == -signal.SIGKILL

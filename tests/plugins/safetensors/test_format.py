@@ -25,6 +25,7 @@ def _saved(tmp_path, steps=(1,), keep_last=0, **kw):
     for step in steps:
         train_step(model, opt, step)
         paths.append(saver.save(step, model, opt, {"progress": {"step": step}}))
+    saver.wait()  # old checkpoints are removed in the background
     return model, opt, paths
 
 
@@ -106,6 +107,61 @@ def test_keep_last_prunes_only_after_commit_and_cleans_leftovers(tmp_path):
     left = sorted(os.listdir(tmp_path / "ckpt"))
     assert left == ["latest", "step-3", "step-4"]
     assert (tmp_path / "ckpt/latest").read_text().strip() == "step-4"
+
+
+def test_reads_format_version_1_checked_with_zlib_crc32(tmp_path):
+    """A checkpoint written by distrun-safetensors 0.1 (format 1, zlib CRC-32: kept in
+    data/format-v1) loads bit-equal with its checksums verified; a damaged copy is refused."""
+    import shutil
+
+    v1 = Path(__file__).parent / "data" / "format-v1"
+    manifest = json.loads((v1 / "manifest.json").read_text())
+    assert manifest["version"] == 1 and manifest["checksum"] == "crc32"
+    fresh, fresh_opt = build("plain", seed=5)
+    result = load(str(v1), fresh, fresh_opt)
+    assert result.step == 2
+    model, opt = build("plain")  # what was saved: two steps from seed 0
+    for step in (1, 2):
+        train_step(model, opt, step)
+    assert compare(full_state(fresh, fresh_opt), full_state(model, opt)) == []
+    copy = tmp_path / "v1"
+    shutil.copytree(v1, copy)
+    data = bytearray((copy / "model-00001-of-00001.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "model-00001-of-00001.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load(str(copy), fresh, fresh_opt)
+
+
+def test_new_checkpoints_are_checked_with_crc32c(tmp_path):
+    import crc32c
+
+    _, _, (path,) = _saved(tmp_path)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert manifest["version"] == VERSION == 2 and manifest["checksum"] == "crc32c"
+    for name, info in manifest["files"].items():
+        want = crc32c.crc32c((Path(path) / name).read_bytes())
+        assert info["crc32c"] == f"{want:08x}", name
+
+
+def test_async_saves_reuse_their_buffers_and_hold_each_snapshot(tmp_path):
+    model, opt = build("plain")
+    saver = Checkpointer(str(tmp_path / "ckpt"), async_save=True, split_bytes=16)
+    buffers, states = [], {}
+    for step in (1, 2, 3):
+        train_step(model, opt, step)
+        states[step] = full_state(model, opt)
+        saver.save(step, model, opt, {"progress": {"step": step}})
+        assert saver.stats["step"] == step and saver.stats["write_s"] is None
+        buffers.append({k: b.data_ptr() for k, b in saver._staging.items()})
+        train_step(model, opt, step + 100)  # training goes on while the write is in flight
+    saver.wait()
+    assert saver.stats["write_s"] > 0
+    assert buffers[0] == buffers[1] == buffers[2] and buffers[0]  # allocated once, reused
+    for step, want in states.items():
+        fresh, fresh_opt = build("plain", seed=7)
+        load(str(tmp_path / "ckpt" / f"step-{step}"), fresh, fresh_opt)
+        assert compare(full_state(fresh, fresh_opt), want) == [], step
 
 
 def test_auto_with_nothing_returns_none(tmp_path):
