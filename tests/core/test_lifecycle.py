@@ -161,8 +161,9 @@ def test_an_early_stop_request_under_join_ends_the_run_normally(tmp_path, busy_c
                      env=_env(rec, LC_UNEVEN="1", LC_STOP_AT="14@1"), timeout=300)
     assert result.returncode == 0, result
     assert ABORT not in result.output
-    # asked after step 14 on rank 1 (rank 0 had joined): agreed at the next boundary
-    assert records(str(rec), "steps", 1)[-1]["step"] == 15, result.output
+    # asked after step 14 of rank 1's 16 (rank 0 had joined at 12): agreed at the next vote,
+    # at the latest the one that ends the epoch, so the second epoch never starts
+    assert 15 <= records(str(rec), "steps", 1)[-1]["step"] <= 16, result.output
 
 
 def test_a_user_error_on_one_rank_exits_2_with_its_line_and_no_abort(tmp_path, busy_cores):

@@ -38,6 +38,8 @@ class CsvLogger:
         self.path = path
         self.columns = ["step", "epoch", "time"]
         self.rows: list[dict[str, float]] = []
+        self._fh: Any = None  # the file, open for appending once a row is appended
+        self._append: Any = None
         self.started = time.time()
         if keep_until_step is not None and os.path.exists(path):
             self.rows = [r for r in read_metrics(path) if r.get("step", 0) <= keep_until_step]
@@ -58,8 +60,16 @@ class CsvLogger:
             self.columns += new
             self._rewrite()
             return
-        with open(self.path, "a", newline="") as fh:
-            self._writer(fh).writerow(self._cells(row))
+        if self._fh is None:
+            self._fh = open(self.path, "a", newline="")  # noqa: SIM115 (kept open; close())
+            self._append = self._writer(self._fh)
+        self._append.writerow(self._cells(row))
+        self._fh.flush()  # one write per row: the file is whole if the process dies
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
     def _writer(self, fh: Any) -> Any:
         return csv.DictWriter(fh, fieldnames=self.columns)
@@ -71,6 +81,7 @@ class CsvLogger:
         return out
 
     def _rewrite(self) -> None:
+        self.close()
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", newline="") as fh:
             writer = self._writer(fh)
@@ -99,3 +110,10 @@ def distrun_log_metrics(run, step, metrics):
     logger = run.stash.get(_KEY)
     if logger is not None:
         logger.log(step, metrics.get("epoch", run.progress.epoch), metrics)
+
+
+@hookimpl
+def distrun_teardown(run):
+    logger = run.stash.get(_KEY)
+    if logger is not None:
+        logger.close()

@@ -134,10 +134,18 @@ class _Window:
         self.reset()
 
     def reset(self) -> None:
-        self.loss = 0.0
+        self.loss: Any = 0.0
         self.micro = 0
         self.samples = 0
         self.started = time.perf_counter()
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Accumulate on the loss's device, in float32 at least, in place after the first."""
+        if isinstance(self.loss, torch.Tensor):
+            self.loss.add_(loss.detach())
+        else:
+            self.loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32),
+                                         copy=True)
 
 
 #: the loop's own slots on the run
@@ -167,8 +175,8 @@ def fit_loop(run: Run) -> Any:
             if run.sampler is not None:
                 run.sampler.set_epoch(run.progress.epoch)
             run.hook.distrun_on_epoch_end(run=run, epoch=finished)
-    _stop_agreed(run, sync.drain())
     _log(run)
+    _stop_agreed(run, sync.drain())
     stopped = run.stop_signal is not None
     if not stopped and run.val_loader is not None \
             and run.stash.get(_VALIDATED_AT) != run.progress.step:
@@ -271,7 +279,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
         if run.sampler is not None:
             run.sampler.advance()
         run.progress.micro_step += 1
-        window.loss = window.loss + loss.detach()
+        window.add_loss(loss)
         window.micro += 1
         window.samples += local_batch if local_batch is not None else _batch_len(batch)
         if not boundary:
@@ -311,7 +319,8 @@ _NULL = _Null()
 
 
 def _log(run: Run, step: int | None = None) -> None:
-    """Reduce the window across ranks (one all-reduce) and log it as ``step`` (default: now)."""
+    """Reduce the window across ranks (one all-reduce, sent now, read at the next step
+    boundary so nobody waits on it) and log it as ``step`` (default: now)."""
     window = run.stash.get(_WINDOW)
     if window is None or run.strategy is None:
         return
@@ -322,26 +331,43 @@ def _log(run: Run, step: int | None = None) -> None:
         torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
         torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device),
     ]).to(run.strategy.device)
-    run.strategy.all_reduce(packed, "sum")
-    loss_sum, micro, samples = packed.tolist()
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     window.reset()
-    if micro == 0:
-        return
-    metrics = {
-        "loss": loss_sum / micro,
-        # ranks of one data-parallel replica (TP) saw the same samples: count them once
-        "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
-        "epoch": float(run.progress.epoch),
-        "step": float(step),
-    }
+    epoch = float(run.progress.epoch)
+    lr = None
     if run.optimizer is not None and run.optimizer.param_groups:
-        metrics["lr"] = float(run.optimizer.param_groups[0].get("lr", 0.0))
-    run.metrics.update(metrics)
-    run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
+        lr = float(run.optimizer.param_groups[0].get("lr", 0.0))
+
+    def done() -> None:
+        loss_sum, micro, samples = packed.tolist()
+        if micro == 0:
+            return
+        metrics = {
+            "loss": loss_sum / micro,
+            # ranks of one data-parallel replica (TP) saw the same samples: count them once
+            "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
+            "epoch": epoch,
+            "step": float(step),
+        }
+        if lr is not None:
+            metrics["lr"] = lr
+        run.metrics.update(metrics)
+        run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
+
+    work = run.strategy.all_reduce_async(packed, "sum")
+    sync = run.stash.get(STEP_SYNC)
+    if sync is None:
+        if work is not None:
+            work.wait()
+        done()
+    else:
+        sync.defer(work, done)
 
 
 def validate(run: Run) -> Mapping[str, float]:
+    sync = run.stash.get(STEP_SYNC)
+    if sync is not None:
+        sync.flush()  # the training row of this step is logged before the validation row
     metrics = run.hook.distrun_run_validation(run=run) or {}
     run.stash[_VALIDATED_AT] = run.progress.step
     if metrics:

@@ -79,6 +79,7 @@ class Run:
         self.resumed_from: str | None = None
         self.run_dir = config.run_dir
         self.log = log
+        self._scoped: list[Any] = []
 
     # -- topology, from the strategy once it is set up (torchrun's env before that) --------
     @property
@@ -113,10 +114,25 @@ class Run:
         """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""
         return self.strategy.unwrap_model(self.model)
 
-    def request_stop(self) -> None:
-        """Ask the run to end after the current step, as if it had finished (early stopping).
+    def add_hooks(self, plugin: Any) -> None:
+        """Register ``plugin``'s hook implementations for this fit only; unregistered at
+        teardown. A plugin puts its per-step hooks there when it is active in this run, so a
+        plugin that is installed but not used costs the loop nothing."""
+        self.pm.register(plugin)
+        self._scoped.append(plugin)
 
-        Any rank may ask: the ranks agree at a step boundary and stop after the same step.
+    def remove_scoped_hooks(self) -> None:
+        """Unregister what :meth:`add_hooks` registered (the trainer calls this at teardown)."""
+        while self._scoped:
+            plugin = self._scoped.pop()
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+
+    def request_stop(self) -> None:
+        """Ask the run to end soon, as if it had finished (early stopping).
+
+        Any rank may ask: the ranks agree at a step boundary (they vote about every 0.1 s of
+        training) and stop after the same step.
         """
         self.stop_requested = True
 

@@ -108,6 +108,7 @@ class Trainer:
             try:
                 pm.hook.distrun_teardown(run=run)
             finally:
+                run.remove_scoped_hooks()
                 if run.strategy is not None:
                     run.strategy.teardown()
         if run.stop_signal is not None and run.done:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from distrun.config.run_config import RunConfig
 from distrun.spec.errors import DistrunError, UsageError
-from distrun.spec.stash import StashKey
 from distrun.strategies.base import BaseStrategy
 from distrun_rpc import server
 from distrun_rpc.models import HybridModel, RemoteOptimizer, ServerParamsModel, optimizer_spec
+from distrun_rpc.plugin import RPC_STRATEGY
 from distrun_rpc.quiet import import_rpc_modules, quiet_torchscript
 from distrun_rpc.roles import Roles, assign_shards
 
@@ -39,10 +39,6 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 #: seconds a failing rank waits to tell the servers, before it gives up on them
 NOTIFY_TIMEOUT = 5.0
-
-
-#: the run's RPC strategy (roles, remote references), for the task and the plugin's hooks
-RPC_STRATEGY: StashKey[RpcStrategy] = StashKey("rpc")
 
 
 class RpcPeerError(DistrunError):

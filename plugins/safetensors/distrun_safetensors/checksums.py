@@ -14,6 +14,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from distrun.spec.errors import UsageError
+
 __all__ = ["DEFAULT", "Checksum", "checksum", "file_checksum"]
 
 _CHUNK = 16 * 1024 * 1024
@@ -40,9 +42,7 @@ class Checksum:
     def __init__(self, name: str = DEFAULT) -> None:
         make = _ALGORITHMS.get(name)
         if make is None:
-            from distrun_safetensors.files import CheckpointError
-
-            raise CheckpointError(f"unknown checksum {name!r} (this plugin knows "
+            raise UsageError(f"unknown checksum {name!r} (this plugin knows "
                                   f"{', '.join(sorted(_ALGORITHMS))}); upgrade "
                                   "distrun-safetensors or load with --no-ckpt-verify")
         self.name = name

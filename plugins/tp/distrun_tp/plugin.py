@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, StrategyInfo, UsageError, hookimpl, plugin_options
+from distrun import StrategyInfo, UsageError, hookimpl, plugin_options
 from distrun.spec.keys import DEVICE_MESH
-
-#: set once the model was parallelized over the mesh's "tp" dimension
-_APPLIED: StashKey[bool] = StashKey("tp.applied")
 
 
 @hookimpl
@@ -60,41 +57,34 @@ def distrun_setup_model(run):
 
     run.model = parallelize(run.model.to(run.device), tp_mesh, run.task, run.config, run.log,
                             verbose=run.is_global_zero)
-    run.stash[_APPLIED] = True
+    if run.config.tp_loss_parallel:
+        run.add_hooks(LossParallel())
 
 
-def _loss_parallel(run: Any) -> bool:
-    return bool(run.config.tp_loss_parallel) and run.stash.get(_APPLIED, False)
+class LossParallel:
+    """``--tp-loss-parallel``: steps and validation under torch's ``loss_parallel`` context
+    (registered for the fit only when it applies: other runs' steps never pass here)."""
 
+    @hookimpl(wrapper=True)
+    def distrun_training_step(self, run, batch):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
 
-@hookimpl(wrapper=True)
-def distrun_training_step(run, batch):
-    if not _loss_parallel(run):
-        return (yield)
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
+        with loss_parallel():
+            loss = yield
+        # a replicated DTensor scalar: hand the loop a plain tensor (autograd goes through)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
-    with loss_parallel():
-        loss = yield
-    # a replicated DTensor scalar: hand the loop a plain tensor (autograd goes through)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    @hookimpl(wrapper=True)
+    def distrun_backward(self, run, loss):
+        from torch.distributed.tensor.parallel import loss_parallel
 
+        with loss_parallel():
+            return (yield)
 
-@hookimpl(wrapper=True)
-def distrun_backward(run, loss):
-    if not _loss_parallel(run):
-        return (yield)
-    from torch.distributed.tensor.parallel import loss_parallel
+    @hookimpl(wrapper=True)
+    def distrun_run_validation(self, run):
+        from torch.distributed.tensor.parallel import loss_parallel
 
-    with loss_parallel():
-        return (yield)
-
-
-@hookimpl(wrapper=True)
-def distrun_run_validation(run):
-    if not _loss_parallel(run):
-        return (yield)
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    with loss_parallel():
-        return (yield)
+        with loss_parallel():
+            return (yield)

@@ -33,44 +33,46 @@ def distrun_setup_strategy(run):
         return
     from distrun_amp.precision import MixedPrecision
 
-    run.stash[AMP] = MixedPrecision(run.config.precision, run.device)
+    amp = run.stash[AMP] = MixedPrecision(run.config.precision, run.device)
+    run.add_hooks(Autocast(amp))
+    if amp.scaler is not None:
+        run.add_hooks(ScaledSteps(amp))
 
 
-@hookimpl(wrapper=True)
-def distrun_training_step(run, batch):
-    amp = run.stash.get(AMP)
-    if amp is None:
-        return (yield)
-    with amp.autocast():
-        loss = yield
-    return amp.loss_to_float(loss)
+class Autocast:
+    """Steps and validation under ``torch.autocast`` (registered for a mixed-precision fit
+    only: a 32-bit run's steps never pass here)."""
+
+    def __init__(self, amp: MixedPrecision) -> None:
+        self.amp = amp
+
+    @hookimpl(wrapper=True)
+    def distrun_training_step(self, run, batch):
+        with self.amp.autocast():
+            loss = yield
+        return self.amp.loss_to_float(loss)
+
+    @hookimpl(wrapper=True)
+    def distrun_run_validation(self, run):
+        with self.amp.autocast():
+            return (yield)
 
 
-@hookimpl(wrapper=True)
-def distrun_run_validation(run):
-    amp = run.stash.get(AMP)
-    if amp is None:
-        return (yield)
-    with amp.autocast():
-        return (yield)
+class ScaledSteps:
+    """16-mixed: the loss scaled before backward; unscale, clip, step and update the scaler."""
 
+    def __init__(self, amp: MixedPrecision) -> None:
+        self.amp = amp
 
-@hookimpl(tryfirst=True)
-def distrun_backward(run, loss):
-    amp = run.stash.get(AMP)
-    if amp is None or amp.scaler is None:
-        return None
-    run.strategy.backward(amp.scaler.scale(loss))
-    return True
+    @hookimpl(tryfirst=True)
+    def distrun_backward(self, run, loss):
+        run.strategy.backward(self.amp.scaler.scale(loss))
+        return True
 
-
-@hookimpl(tryfirst=True)
-def distrun_optimizer_step(run):
-    amp = run.stash.get(AMP)
-    if amp is None or amp.scaler is None:
-        return None
-    amp.scaled_step(run)
-    return True
+    @hookimpl(tryfirst=True)
+    def distrun_optimizer_step(self, run):
+        self.amp.scaled_step(run)
+        return True
 
 
 @hookimpl

@@ -68,9 +68,10 @@ def test_log_every_n_steps_holds_under_join(join_runs):
 def test_a_stop_request_under_join_ends_every_rank_after_the_same_step(join_runs):
     a, b = join_runs[0]["join_request_stop"], join_runs[1]["join_request_stop"]
     assert "error" not in a and "error" not in b, (a, b)
-    # asked on rank 1 after step 6 (rank 0 had joined at 5): the vote cast at step 6 is read
-    # at step 7 on both ranks; the second epoch never starts
-    assert a["steps"] == b["steps"] == 7
+    # asked on rank 1 after step 6 of 8 (rank 0 had joined at 5): agreed at the next vote,
+    # at the latest the one that ends the epoch; both ranks stop after the same step and the
+    # second epoch never starts
+    assert a["steps"] == b["steps"] and 7 <= a["steps"] <= 8, (a["steps"], b["steps"])
     torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
 
 

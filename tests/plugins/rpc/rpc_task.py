@@ -20,7 +20,7 @@ from torch import nn
 
 import distrun
 from distrun import hookimpl
-from distrun_rpc.strategy import RPC_STRATEGY
+from distrun_rpc.plugin import RPC_STRATEGY
 
 EPOCHS, BATCH, SEED = 2, 32, 0
 
