@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -148,6 +149,43 @@ class _Worker:
     log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
 
+class _ExitWatch:
+    """Sleep until one of ``procs`` exits: a Linux pidfd per process, else a plain sleep."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
+        self.fds: list[int] = []
+        self.poller = select.poll() if hasattr(select, "poll") else None
+        if self.poller is None or not hasattr(os, "pidfd_open"):
+            return
+        for proc in procs:
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except OSError:  # no pidfd on this kernel, or the process is already reaped
+                self.close()
+                return
+            self.fds.append(fd)
+            self.poller.register(fd, select.POLLIN)
+
+    @property
+    def blocking(self) -> bool:
+        """True when :meth:`wait` returns as soon as a process exits."""
+        return bool(self.fds)
+
+    def wait(self, timeout: float) -> None:
+        """Return when a process has exited (its pidfd is readable) or after ``timeout``."""
+        if not self.fds or self.poller is None:
+            time.sleep(timeout)
+            return
+        for fd, _ in self.poller.poll(timeout * 1000.0):
+            # an exited process's pidfd stays readable: watch only the ones still running
+            self.poller.unregister(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
 class WorkerGroup:
     """This node's worker processes: start, relay output, forward signals, wait, stop."""
 
@@ -186,28 +224,39 @@ class WorkerGroup:
                     pass
 
     def wait(self, poll: float = 0.05) -> tuple[int, _Worker | None]:
-        """Wait until all exit 0, or one fails (then stop the rest); (exit code, failed one)."""
-        while True:
-            codes = [w.proc.poll() for w in self.workers]
-            if self.stopping_since is not None:
-                # A forwarded stop: let every worker save and exit within the grace period.
-                if all(c is not None for c in codes) or \
-                        time.monotonic() - self.stopping_since > STOP_GRACE:
-                    self.stop(grace=0.0)
-                    nonzero = [w for w in self.workers if w.proc.returncode != 0]
-                    return (exit_code(nonzero[0].proc.returncode), nonzero[0]) if nonzero \
-                        else (0, None)
-                time.sleep(poll)
-                continue
-            failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
-            if failed:
-                first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15), w.rank))
-                self.stop(grace=5.0)
-                return exit_code(first.proc.returncode), first
-            if all(c == 0 for c in codes):
-                self._join_relays()
-                return 0, None
-            time.sleep(poll)
+        """Wait until all exit 0, or one fails (then stop the rest); (exit code, failed one).
+
+        The launcher sleeps until a worker exits (``poll`` seconds between checks only where
+        the kernel cannot say so): on a machine whose every core runs a worker, each wake-up of
+        the launcher is time taken from one.
+        """
+        exits = _ExitWatch([w.proc for w in self.workers])
+        try:
+            while True:
+                codes = [w.proc.poll() for w in self.workers]
+                if self.stopping_since is not None:
+                    # A forwarded stop: let every worker save and exit within the grace period.
+                    if all(c is not None for c in codes) or \
+                            time.monotonic() - self.stopping_since > STOP_GRACE:
+                        self.stop(grace=0.0)
+                        nonzero = [w for w in self.workers if w.proc.returncode != 0]
+                        return (exit_code(nonzero[0].proc.returncode), nonzero[0]) if nonzero \
+                            else (0, None)
+                    exits.wait(poll)
+                    continue
+                failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+                if failed:
+                    first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15), w.rank))
+                    self.stop(grace=5.0)
+                    return exit_code(first.proc.returncode), first
+                if all(c == 0 for c in codes):
+                    self._join_relays()
+                    return 0, None
+                # a signal handler that starts a stop runs during this wait; the stop's grace
+                # is counted from the next check, at most a second later
+                exits.wait(1.0 if exits.blocking else poll)
+        finally:
+            exits.close()
 
     def stop(self, grace: float = STOP_GRACE, signum: int = signal.SIGTERM) -> None:
         self.signal_all(signum)

@@ -202,7 +202,10 @@ def distrun_training_step(run: Run, batch: Any) -> torch.Tensor | None:
     """Compute the loss of one micro-batch (forward only); the core calls the task.
 
     Every rank, every micro-batch. Stops at first non-None result. Wrappers change how the
-    forward runs (autocast for mixed precision).
+    forward runs (autocast for mixed precision). The per-step hooks are the loop's hot path: a
+    plugin that only sometimes takes part registers them for the fit with
+    ``run.add_hooks(obj)`` when it applies (as distrun-amp and distrun-tp do), so an installed
+    but unused plugin costs the loop nothing.
 
     :return: the scalar loss to back-propagate.
     """

@@ -6,7 +6,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -158,7 +158,7 @@ def fit_loop(run: Run) -> Any:
     cfg = run.config
     run.stash[_WINDOW] = _Window()
     sync = run.stash[STEP_SYNC] = StepSync(run)
-    sync.log_metrics = lambda step: _log(run, step)
+    sync.pack_metrics = lambda step: _pack_window(run, step)
     run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
@@ -175,8 +175,7 @@ def fit_loop(run: Run) -> Any:
             if run.sampler is not None:
                 run.sampler.set_epoch(run.progress.epoch)
             run.hook.distrun_on_epoch_end(run=run, epoch=finished)
-    _log(run)
-    _stop_agreed(run, sync.drain())
+    _stop_agreed(run, sync.drain(metrics=True))  # and logs the last, partial window
     stopped = run.stop_signal is not None
     if not stopped and run.val_loader is not None \
             and run.stash.get(_VALIDATED_AT) != run.progress.step:
@@ -294,9 +293,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
         prog.step_started = time.monotonic()
         hook.distrun_on_step_end(run=run, step=prog.step,
                                  metrics={"loss": loss.detach(), "epoch": epoch})
-        _stop_agreed(run, sync.boundary())
-        if prog.step % cfg.log_every_n_steps == 0:
-            _log(run)
+        _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
         if val_every and prog.step % val_every == 0 and run.val_loader is not None:
             validate(run)
             model.train()
@@ -318,19 +315,16 @@ class _Null:
 _NULL = _Null()
 
 
-def _log(run: Run, step: int | None = None) -> None:
-    """Reduce the window across ranks (one all-reduce, sent now, read at the next step
-    boundary so nobody waits on it) and log it as ``step`` (default: now)."""
-    window = run.stash.get(_WINDOW)
-    if window is None or run.strategy is None:
-        return
-    step = run.progress.step if step is None else step
+def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
+    """The window since the last log as values to sum over ranks, and what logs the sums as
+    ``step`` (the step sync sends them with its vote and calls ``done`` at the next boundary,
+    so no rank waits on them)."""
+    window = run.stash[_WINDOW]
     loss = window.loss if isinstance(window.loss, torch.Tensor) else torch.tensor(window.loss)
-    packed = torch.stack([
+    packed = torch.stack([  # on the loss's device: no host sync here
         loss.detach().to(torch.float64).reshape(()),
         torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
-        torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device),
-    ]).to(run.strategy.device)
+        torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device)])
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     window.reset()
     epoch = float(run.progress.epoch)
@@ -338,8 +332,8 @@ def _log(run: Run, step: int | None = None) -> None:
     if run.optimizer is not None and run.optimizer.param_groups:
         lr = float(run.optimizer.param_groups[0].get("lr", 0.0))
 
-    def done() -> None:
-        loss_sum, micro, samples = packed.tolist()
+    def done(summed: torch.Tensor) -> None:
+        loss_sum, micro, samples = summed.tolist()
         if micro == 0:
             return
         metrics = {
@@ -354,14 +348,7 @@ def _log(run: Run, step: int | None = None) -> None:
         run.metrics.update(metrics)
         run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
 
-    work = run.strategy.all_reduce_async(packed, "sum")
-    sync = run.stash.get(STEP_SYNC)
-    if sync is None:
-        if work is not None:
-            work.wait()
-        done()
-    else:
-        sync.defer(work, done)
+    return packed, done
 
 
 def validate(run: Run) -> Mapping[str, float]:

@@ -66,12 +66,13 @@ class ResumableSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
-            order = epoch_permutation(self.seed, self.epoch, self.n)
+            order = epoch_permutation(self.seed, self.epoch, self.n).tolist()
         else:
-            order = torch.arange(self.n)
+            order = list(range(self.n))
         lo = self.dp_rank * self.local_batch
+        # a list, converted once an epoch: slicing it costs far less per batch than a tensor
         for start in range(self.cursor, self.n - self.batch_size + 1, self.batch_size):
-            yield order[start + lo:start + lo + self.local_batch].tolist()
+            yield order[start + lo:start + lo + self.local_batch]
 
     def advance(self) -> None:
         self.cursor += self.batch_size

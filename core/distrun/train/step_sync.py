@@ -38,12 +38,20 @@ __all__ = ["FINISH", "NONE", "PREEMPT", "STEP_SYNC", "VOTE_INTERVAL", "StepSync"
 NONE, FINISH, PREEMPT = 0, 1, 2
 
 
-#: seconds of training between two votes. A vote is one tiny all-reduce, but on gloo it costs
-#: ~0.3 ms of CPU per rank: cast at every step of a 3 ms step it took 15-20% of the step time
-#: on the 2-core test machine. Steps longer than this still vote at every step.
+#: seconds of training between two votes. A collective costs ~0.3 ms of CPU per rank on gloo
+#: and, on a busy 2-core machine, 1-1.5 ms of the calling thread's time: cast at every step of
+#: a 3 ms step, the vote alone took 15-20% of the step time. Steps longer than this vote at
+#: every step; log steps carry the vote with the metrics (no second collective).
 VOTE_INTERVAL = 0.1
 #: the most steps between two votes, however short the steps
 MAX_EVERY = 1000
+#: the vote's part of a reduction (SUM): ranks asking to finish, to preempt; seconds per step
+#: since the last reduction and the ranks that timed it (joined ranks add zeros)
+_VOTE = 4
+
+#: the loop's metrics for a log step: ``pack(step) -> (tensor, done)``, where ``tensor`` is
+#: float64 values to sum over ranks and ``done(summed)`` logs them
+MetricsPacker = Callable[[int], tuple[torch.Tensor, Callable[[torch.Tensor], None]]]
 
 
 class StepSync(Joinable):
@@ -53,23 +61,25 @@ class StepSync(Joinable):
         super().__init__()
         self.run = run
         self.strategy = run.strategy
-        # [request, seconds per step since the last vote], reduced with MAX
-        self._vote = torch.zeros(2, dtype=torch.float64, device=run.strategy.device)
-        self._pending: Any = None
-        self._deferred: list[tuple[Any, Callable[[], None]]] = []
-        self._last: tuple[int, float] | None = None  # (step, time) of the last vote cast
-        #: steps between votes: ceil(VOTE_INTERVAL / the slowest rank's step time), from the
-        #: last vote's result, so every rank computes the same cadence
+        self.device = run.strategy.device
+        self.alone = run.world_size < 2  # nobody to agree with: requests act at once
+        # in flight: (work, summed tensor, the metrics' done callback or None)
+        self._pending: tuple[Any, torch.Tensor, Callable[[torch.Tensor], None] | None] | None \
+            = None
+        self._early = NONE  # an agreement read before its boundary (flush)
+        self._last: tuple[int, float] | None = None  # (step, time) of the last reduction
+        #: steps between votes: ceil(VOTE_INTERVAL / the ranks' mean step time), from the
+        #: last result, so every rank computes the same cadence
         self.every = 1
-        #: the step at whose boundary the next vote is cast
+        #: the step at whose boundary the next vote is due
         self.next_vote = 0
         #: what the ranks agreed on at the last boundary (NONE, FINISH or PREEMPT)
         self.agreed = NONE
-        #: log steps that ranks still training reduce metrics at (set by the loop)
+        #: log steps: the loop's metrics ride with the vote there (joined ranks add zeros)
         self.log_every = run.config.log_every_n_steps
         self.grad_accum = run.config.grad_accum
-        #: the loop's metric reduction and logging for a step, which joined ranks run too
-        self.log_metrics: Callable[[int], None] | None = None
+        #: set by the loop: the metrics of a log step (joined ranks pack an empty window)
+        self.pack_metrics: MetricsPacker | None = None
 
     # -- the loop's side -------------------------------------------------------------------
     def local_request(self) -> int:
@@ -78,54 +88,63 @@ class StepSync(Joinable):
             return PREEMPT
         return FINISH if run.stop_requested else NONE
 
-    def boundary(self) -> int:
-        """At a step boundary: the results of the reductions in flight (the vote, deferred
-        metrics) and, when one is due, this step's vote sent."""
-        agreed = self._complete()
-        step = self.run.progress.step
-        if agreed == NONE and step >= self.next_vote:
-            local = self.local_request()
-            if not self._cast(step, float(local), self._seconds_per_step(step)):
-                agreed = local  # one process: nobody to agree with
-        self.agreed = agreed
+    def boundary(self, shadowed: int | None = None) -> int:
+        """At a step boundary: the result of the reduction in flight, and this step's sent
+        when a vote or a log is due. Returns the agreement (NONE, FINISH or PREEMPT).
+
+        ``shadowed``: the step a joined rank matches (it votes NONE and times nothing).
+        """
+        step = self.run.progress.step if shadowed is None else shadowed
+        agreed = max(self._complete(), self._early)
+        self._early = NONE
+        log = bool(self.log_every) and step % self.log_every == 0
+        if log or step >= self.next_vote:
+            local = self.local_request() if shadowed is None else NONE
+            seconds = self._seconds_per_step(step) if shadowed is None else 0.0
+            if not self._send(step, local, seconds, log):
+                agreed = max(agreed, local)  # one process: nobody to agree with
+        self.agreed = agreed if shadowed is None else max(self.agreed, agreed)
         return agreed
 
-    def defer(self, work: Any, done: Callable[[], None]) -> None:
-        """Run ``done()`` once the async collective ``work`` finished: at the next boundary
-        (or :meth:`flush`/:meth:`drain`), so no rank waits on it now. ``work`` None: now."""
-        if work is None:
-            done()
-        else:
-            self._deferred.append((work, done))
-
     def flush(self) -> None:
-        """Finish the deferred reductions now (before validation logs its own row)."""
-        deferred, self._deferred = self._deferred, []
-        for work, done in deferred:
-            work.wait()
-            done()
+        """Finish the reduction in flight now (its metrics are logged before validation's
+        row); its agreement is returned at the next boundary."""
+        self._early = max(self._early, self._complete())
 
-    def drain(self) -> int:
-        """At the end of an epoch or of the fit, where every rank is in step: finish what is in
-        flight, then vote once more and wait for it, so a request made since the last vote is
-        agreed before another epoch starts. Returns the agreement."""
-        agreed = self._complete()
-        if agreed == NONE:
-            local = self.local_request()
-            if self._cast(self.run.progress.step, float(local), 0.0):
-                agreed = self._complete()
-            else:
-                agreed = local
+    def drain(self, metrics: bool = False) -> int:
+        """At the end of an epoch or of the fit (``metrics``: the last, partial window too),
+        where every rank is in step: finish what is in flight, vote once more and wait for
+        it, so a request made since the last vote is agreed before another epoch starts."""
+        agreed = max(self._complete(), self._early)
+        self._early = NONE
+        local = self.local_request()
+        if self._send(self.run.progress.step, local, 0.0, metrics):
+            agreed = max(agreed, self._complete())
+        else:
+            agreed = max(agreed, local)
         self.agreed = max(self.agreed, agreed)
         return self.agreed
 
-    def _cast(self, step: int, request: float, seconds: float) -> bool:
-        self._vote[0] = request
-        self._vote[1] = seconds
-        work = self.strategy.all_reduce_async(self._vote, "max")
-        if work is None:
+    # -- one reduction: the vote, and the metrics at log steps -----------------------------
+    def _send(self, step: int, request: int, seconds: float, log: bool) -> bool:
+        """Start the reduction of this step; False when there is one process (done now)."""
+        if self.alone:
+            if log and self.pack_metrics is not None:
+                packed, done = self.pack_metrics(step)
+                done(packed)
             return False
-        self._pending = work
+        buf = torch.tensor([float(request == FINISH), float(request == PREEMPT), seconds,
+                            1.0 if seconds > 0 else 0.0], dtype=torch.float64, device=self.device)
+        done = None
+        if log and self.pack_metrics is not None:
+            packed, done = self.pack_metrics(step)
+            buf = torch.cat([buf, packed.to(self.device, torch.float64)])
+        work = self.strategy.all_reduce_async(buf, "sum")
+        if work is None:  # a strategy that does not reduce over the world
+            if done is not None:
+                done(buf[_VOTE:])
+            return False
+        self._pending = (work, buf, done)
         self.next_vote = step + self.every
         return True
 
@@ -137,16 +156,19 @@ class StepSync(Joinable):
         return (now - last[1]) / (step - last[0])
 
     def _complete(self) -> int:
-        agreed = NONE
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-            request, seconds = self._vote.tolist()
-            agreed = int(request)
-            if seconds > 0:  # 0: nobody timed steps since the last vote (joined, epoch end)
-                self.every = max(1, min(MAX_EVERY, math.ceil(VOTE_INTERVAL / seconds)))
-        self.flush()
-        return agreed
+        if self._pending is None:
+            return NONE
+        work, buf, done = self._pending
+        self._pending = None
+        work.wait()
+        finish, preempt, seconds, timers = buf[:_VOTE].tolist()
+        if timers > 0:  # nobody timed steps at an epoch end or when all but one joined
+            per_step = seconds / timers
+            self.every = max(1, min(MAX_EVERY, math.ceil(VOTE_INTERVAL / per_step))) \
+                if per_step > 0 else MAX_EVERY
+        if done is not None:
+            done(buf[_VOTE:])
+        return PREEMPT if preempt > 0 else FINISH if finish > 0 else NONE
 
     # -- Joinable: what a rank that ran out of data does while the others still train ------
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -154,7 +176,7 @@ class StepSync(Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self._vote.device
+        return self.device
 
     @property
     def join_process_group(self) -> Any:
@@ -164,10 +186,10 @@ class StepSync(Joinable):
 class _Shadow(JoinHook):
     """Run on a joined rank once per iteration of the ranks still training (one micro-batch).
 
-    At the micro-batch that ends a step it does what :meth:`StepSync.boundary` does there,
-    with a zero vote (and learns the others' request and cadence); at a log step it takes part
-    in the metric reduction (adding zeros) and logs the result, so rank 0 shows a row every
-    ``log_every_n_steps`` even after it ran out of data.
+    At the micro-batch that ends a step it does what :meth:`StepSync.boundary` does there with
+    a zero vote: the same reductions in the same order, learning the others' request and
+    cadence. At a log step its (empty) window adds zeros and it logs the result, so rank 0
+    shows a row every ``log_every_n_steps`` even after it ran out of data.
     """
 
     def __init__(self, sync: StepSync) -> None:
@@ -183,15 +205,7 @@ class _Shadow(JoinHook):
         if self.micro % sync.grad_accum:
             return
         self.step += 1
-        # The ranks still training finish the vote and reductions in flight at this boundary
-        # and send this step's vote when one is due; the same ops in the same order here.
-        agreed = sync._complete()
-        if agreed != NONE:
-            sync.agreed = max(sync.agreed, agreed)
-        elif self.step >= sync.next_vote:
-            sync._cast(self.step, 0.0, 0.0)
-        if self.step % sync.log_every == 0 and sync.log_metrics is not None:
-            sync.log_metrics(self.step)  # this rank's window is empty: it adds zeros
+        sync.boundary(shadowed=self.step)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         return None

@@ -109,18 +109,24 @@ def distrun_on_fit_start(run):
 
         for path in sweep_stale(ckpt_dir(run)):
             run.log.info("Removed %s, left by a save that did not finish", path)
+    every, seconds = run.config.ckpt_every_n_steps, run.config.ckpt_every_n_seconds
+    if every or seconds:  # a run without a save cadence has no per-step hook of ours
+        run.add_hooks(Cadence(every, seconds))
 
 
-@hookimpl
-def distrun_on_step_end(run, step):
-    cfg = run.config
-    every = cfg.get("ckpt_every_n_steps", 0)
-    due = bool(every) and step % every == 0
-    seconds = cfg.get("ckpt_every_n_seconds", 0.0)
-    if seconds and not due:
-        due = _time_due(run, seconds)
-    if due:
-        run.save_checkpoint("step")
+class Cadence:
+    """Saves every ``every`` steps and/or when ``seconds`` passed since the last save."""
+
+    def __init__(self, every: int, seconds: float) -> None:
+        self.every, self.seconds = every, seconds
+
+    @hookimpl
+    def distrun_on_step_end(self, run, step):
+        due = bool(self.every) and step % self.every == 0
+        if self.seconds and not due:
+            due = _time_due(run, self.seconds)
+        if due:
+            run.save_checkpoint("step")
 
 
 def _time_due(run: Any, seconds: float) -> bool:
