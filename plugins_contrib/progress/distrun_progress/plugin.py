@@ -47,29 +47,28 @@ def distrun_launch(config, command, environ):
 def distrun_on_fit_start(run):
     if not run.is_global_zero or not run.config.get("progress", True):
         return
-    run.stash[_KEY] = make_display(run)
+    display = run.stash[_KEY] = make_display(run)
     run.stash[CONSOLE_OWNER] = "progress"
+    run.add_hooks(Bar(display))  # rank 0 only: the other ranks' steps never pass here
 
 
-@hookimpl
-def distrun_on_step_end(run, step, metrics):
-    display = run.stash.get(_KEY)
-    if display is not None:
-        display.on_step(run, step, metrics)
+class Bar:
+    """The display's hooks, registered for the fit on rank 0 when progress is on."""
 
+    def __init__(self, display: Any) -> None:
+        self.display = display
 
-@hookimpl
-def distrun_log_metrics(run, step, metrics):
-    display = run.stash.get(_KEY)
-    if display is not None:
-        display.on_metrics(run, step, metrics)
+    @hookimpl
+    def distrun_on_step_end(self, run, step, metrics):
+        self.display.on_step(run, step, metrics)
 
+    @hookimpl
+    def distrun_log_metrics(self, run, step, metrics):
+        self.display.on_metrics(run, step, metrics)
 
-@hookimpl
-def distrun_on_fit_end(run):
-    display = run.stash.get(_KEY)
-    if display is not None:
-        display.finish(run)
+    @hookimpl
+    def distrun_on_fit_end(self, run):
+        self.display.finish(run)
 
 
 @hookimpl
