@@ -1,24 +1,30 @@
 """Recovery: time from a worker's death to the first step of the resumed run.
 
-    python benchmarks/recovery.py            # 2 trials of each side
+    python benchmarks/recovery.py            # 5 trials of each side
     python benchmarks/recovery.py --quick    # 1 trial of each side
     python benchmarks/recovery.py --trials 10
 
-Both sides train the same tiny MLP on 2 processes with gloo on this machine; in the first
-attempt rank 1 SIGKILLs itself at step 6 after writing the time. Each side is allowed one
-restart:
+Every side trains a tiny MLP on 2 processes with gloo on this machine; in the first attempt
+rank 1 SIGKILLs itself at step KILL after writing the time. Each side is allowed one restart:
 
 - ``torchrun``: plain ``torchrun --standalone --max-restarts 1`` restarting a plain torch
-  script (no distrun), which starts over from step 1. torch's default shares the rendezvous
-  store with the workers, and restarted workers may then fail to connect (pytorch#167288);
+  script (no distrun) that saves a ``torch.save`` checkpoint every 2 steps and resumes from it.
+  torch's default shares the rendezvous store with the workers, and restarted workers may then
+  fail to connect (pytorch#167288);
 - ``torchrun-fix``: the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the setting
   distrun-elastic uses: torch's restart time when restarts work;
-- ``distrun``: ``distrun run --max-restarts 1`` with distrun-elastic and distrun-safetensors,
-  checkpointing every 2 steps; the restarted workers resume from the step-4 checkpoint.
+- ``distrun-run``: the same plain script under ``distrun run --max-restarts 1``: distrun's
+  launcher against torchrun's on the same script (target: no slower than ``torchrun-fix``);
+- ``distrun``: ``distrun run --max-restarts 1`` with distrun-elastic and distrun-safetensors
+  running distrun's own loop, checkpointing every 2 steps; the restarted workers resume from the
+  latest checkpoint.
 
-Printed: the median recovery of each side over its successful trials, the checkpoint load
-time, the ratio distrun / (torchrun + load) (target <= 1; against torchrun-fix as well, since
-plain torchrun may not succeed at all) and each side's success rate.
+Printed: per side, the medians over its successful trials (trials alternate side by side) of
+the recovery (death -> end of the first step after it) and its two parts: detect+respawn
+(death -> the restarted rank 0 process exists) and worker start -> first resumed step (the
+interpreter, imports, process group, model and checkpoint load, one step); the checkpoint load
+time of distrun's loop; the ratio distrun / (torchrun + load) (target <= 1; against
+torchrun-fix as well, since plain torchrun may not succeed at all) and each side's success rate.
 """
 
 from __future__ import annotations
@@ -34,23 +40,43 @@ import tempfile
 import time
 from pathlib import Path
 
-KILL_STEP = 6
-STEPS = 12
+KILL_STEP = 50
+STEPS = 60
+
+#: the wall-clock time this process was started (forked), from /proc: its age is the machine's
+#: uptime minus the process's start time in clock ticks since boot (both 10 ms resolution)
+STARTED = '''
+def _started():
+    with open("/proc/self/stat") as fh:
+        ticks = int(fh.read().rpartition(")")[2].split()[19])
+    with open("/proc/uptime") as fh:
+        uptime = float(fh.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+'''
 
 PLAIN_SCRIPT = '''
 import datetime, json, os, signal, sys, time
+STARTED
 import torch, torch.distributed as dist
 from torch import nn
 
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 out = sys.argv[1]
+ckpt = os.path.join(out, "ckpt.pt")
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+first = 1
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    first = state["step"] + 1
 x, y = torch.randn(256, 8), torch.randn(256, 1)
-for step in range(1, STEPS + 1):
-    loss = nn.functional.mse_loss(model(x[step * 8:(step + 1) * 8]), y[step * 8:(step + 1) * 8])
+for step in range(first, STEPS + 1):
+    i = step % 31
+    loss = nn.functional.mse_loss(model(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8])
     loss.backward()
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -59,12 +85,23 @@ for step in range(1, STEPS + 1):
     if rank == 0:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
             fh.write(json.dumps({"attempt": attempt, "step": step, "t": time.time()}) + "\\n")
+        if attempt > 0 and step == first:
+            with open(os.path.join(out, "start.json"), "w") as fh:
+                json.dump({"started": _started()}, fh)
+        if step % 2 == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                       ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
     if attempt == 0 and rank == 1 and step == KILL_STEP:
+        dist.barrier()  # rank 0's checkpoint of this step is written
         with open(os.path.join(out, "death.json"), "w") as fh:
             json.dump({"t": time.time()}, fh)
         os.kill(os.getpid(), signal.SIGKILL)
+    elif attempt == 0 and step == KILL_STEP:
+        dist.barrier()
 dist.destroy_process_group()
-'''.replace("STEPS", str(STEPS)).replace("KILL_STEP", str(KILL_STEP))
+'''.replace("STEPS", str(STEPS)).replace("KILL_STEP", str(KILL_STEP)).replace(
+    "STARTED\n", STARTED)
 
 PLUGIN = '''
 """Benchmark helper plugin: a gradient-averaging strategy, the kill and the timestamps."""
@@ -109,16 +146,23 @@ def distrun_load_checkpoint(run, source):
     return path
 
 
+_first = []
+
+
 @hookimpl(trylast=True)
 def distrun_on_step_end(run, step):
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if run.rank == 0:
         _out("steps.jsonl", {"attempt": attempt, "step": step, "t": time.time()})
+        if attempt > 0 and not _first:
+            _first.append(step)
+            with open(os.path.join(os.environ["BENCH_OUT"], "start.json"), "w") as fh:
+                json.dump({"started": _started()}, fh)
     if attempt == 0 and run.rank == 1 and step == KILL_STEP:
         with open(os.path.join(os.environ["BENCH_OUT"], "death.json"), "w") as fh:
             json.dump({"t": time.time()}, fh)
         os.kill(os.getpid(), signal.SIGKILL)
-'''.replace("KILL_STEP", str(KILL_STEP))
+STARTED'''.replace("KILL_STEP", str(KILL_STEP)).replace("STARTED", STARTED)
 
 TASK = '''
 import torch
@@ -147,34 +191,49 @@ class BenchTask(distrun.Task):
 '''
 
 
-def _recovery(out: Path) -> float | None:
-    """Seconds from the death to the end of the first step trained after it, or None."""
+#: one trial: (success, recovery s, detect+respawn s, worker start -> first step s, load s)
+Trial = tuple[bool, float | None, float | None, float | None, float | None]
+
+
+def _recovery(out: Path) -> tuple[float | None, float | None, float | None]:
+    """Seconds from the death to the end of the first step trained after it, and its parts."""
     try:
         death = json.loads((out / "death.json").read_text())["t"]
     except FileNotFoundError:
-        return None
+        return None, None, None
     steps = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
     after = [s["t"] for s in steps if s["attempt"] > 0 and s["t"] > death]
-    return min(after) - death if after else None
+    if not after:
+        return None, None, None
+    try:
+        started = json.loads((out / "start.json").read_text())["started"]
+    except FileNotFoundError:
+        return min(after) - death, None, None
+    return min(after) - death, started - death, min(after) - started
 
 
-def _trial(kind: str, work: Path, index: int) -> tuple[bool, float | None, float | None]:
+def _trial(kind: str, work: Path, index: int) -> Trial:
     out = work / f"{kind}-{index}"
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_OUT=str(out), PYTHONPATH=str(work))
+    plain = [str(work / "plain.py"), str(out)]
     if kind.startswith("torchrun"):
         if kind == "torchrun-fix":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", "1", str(work / "plain.py"), str(out)]
+               "--nproc-per-node", "2", "--max-restarts", "1", *plain]
+    elif kind == "distrun-run":  # the same script, distrun's launcher, the user's plugins
+        cmd = [sys.executable, "-m", "distrun", "run", "--max-restarts", "1",
+               "--nproc-per-node", "2", *plain]
     else:
         env.update(DISTRUN_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTRUN_PLUGINS="distrun_elastic.plugin,distrun_safetensors.plugin,"
                                    "recovery_bench")
         cmd = [sys.executable, "-m", "distrun", "run", "--max-restarts", "1",
                "--nproc-per-node", "2", "--strategy", "benchsum", "--batch-size", "16",
-               "--max-steps", str(STEPS), "--ckpt-every-n-steps", "2", "--no-summary",
-               "--timeout", "30", "--name", f"bench-{index}", f"{work / 'bench_task.py'}:BenchTask"]
+               "--max-steps", str(STEPS), "--max-epochs", "10", "--ckpt-every-n-steps", "2",
+               "--no-summary", "--timeout", "30", "--name", f"bench-{index}",
+               f"{work / 'bench_task.py'}:BenchTask"]
     try:
         proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
         ok = proc.returncode == 0
@@ -187,54 +246,83 @@ def _trial(kind: str, work: Path, index: int) -> tuple[bool, float | None, float
     load = None
     if (out / "load.jsonl").exists():
         load = json.loads((out / "load.jsonl").read_text().splitlines()[-1])["seconds"]
-    return ok, _recovery(out) if ok else None, load
+    rec, respawn, start = _recovery(out) if ok else (None, None, None)
+    return ok, rec, respawn, start, load
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 trial of each side")
-    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"comma-separated sides to run (default: {','.join(SIDES)})")
     args = parser.parse_args(argv)
     trials = 1 if args.quick else args.trials
+    sides = [k for k in args.sides.split(",") if k]
+    unknown = set(sides) - set(SIDES)
+    if unknown:
+        parser.error(f"unknown side(s) {', '.join(sorted(unknown))}: choose from {SIDES}")
     work = Path(tempfile.mkdtemp(prefix="distrun-recovery-"))
     try:
         (work / "plain.py").write_text(PLAIN_SCRIPT)
         (work / "recovery_bench.py").write_text(PLUGIN)
         (work / "bench_task.py").write_text(TASK)
-        results: dict[str, list[tuple[bool, float | None, float | None]]] = {
-            "torchrun": [], "torchrun-fix": [], "distrun": []}
-        for i in range(trials):  # interleaved, so both sides see the same machine load
-            for kind in results:
+        results: dict[str, list[Trial]] = {kind: [] for kind in sides}
+        for i in range(trials):
+            # interleaved and rotated, so every side sees the same machine load and none
+            # always follows the same one
+            for kind in sides[i % len(sides):] + sides[:i % len(sides)]:
                 started = time.perf_counter()
                 results[kind].append(_trial(kind, work, i))
-                ok, rec, _ = results[kind][-1]
+                ok, rec, respawn, start, _ = results[kind][-1]
+                parts = (f" (detect+respawn {respawn:.2f} s, start -> step {start:.2f} s)"
+                         if respawn is not None and start is not None else "")
                 print(f"  trial {i + 1}/{trials} {kind:<12}: "
                       f"{'ok' if ok else 'FAILED'}"
-                      f"{f', recovery {rec:.2f} s' if rec is not None else ''}"
+                      f"{f', recovery {rec:.2f} s' if rec is not None else ''}{parts}"
                       f" ({time.perf_counter() - started:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _summary(results, trials)
 
 
-def _summary(results: dict[str, list[tuple[bool, float | None, float | None]]],
-             trials: int) -> int:
+#: every side, in the order they run
+SIDES = ("torchrun", "torchrun-fix", "distrun-run", "distrun")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _summary(results: dict[str, list[Trial]], trials: int) -> int:
+    def show(value: float | None) -> str:
+        return f"{value:.2f} s" if value is not None else "n/a"
+
     med = {}
+    print(f"medians of the successful trials: {'side':<12} {'recovery':>9} "
+          f"{'detect+respawn':>15} {'start -> step':>14}  success")
     for kind, rows in results.items():
-        times = [r for ok, r, _ in rows if ok and r is not None]
-        med[kind] = statistics.median(times) if times else None
-        rate = sum(ok for ok, _, _ in rows)
-        shown = f"{med[kind]:.2f} s" if med[kind] is not None else "n/a"
-        print(f"{kind:<12} recovery (median of successful trials): {shown:>8}   "
-              f"success {rate}/{trials} ({100 * rate / trials:.0f}%)")
-    loads = [ld for _, _, ld in results["distrun"] if ld is not None]
-    load = statistics.median(loads) if loads else 0.0
+        good = [r for r in rows if r[0]]
+        med[kind] = _median([r[1] for r in good])
+        rate = len(good)
+        print(f"{'':34}{kind:<12} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
+              f"{show(_median([r[3] for r in good])):>14}  {rate}/{trials} "
+              f"({100 * rate / trials:.0f}%)")
+    if "distrun-run" in med:
+        for base in ("torchrun", "torchrun-fix"):
+            if med.get(base) and med["distrun-run"]:
+                print(f"ratio distrun-run / {base} (the same script): "
+                      f"{med['distrun-run'] / med[base]:.2f}  (target <= 1.00)")
+    if "distrun" not in results:
+        return 0
+    load = _median([r[4] for r in results["distrun"]]) or 0.0
     print(f"distrun checkpoint load (median): {load:.3f} s")
     for base in ("torchrun", "torchrun-fix"):
-        if med[base] and med["distrun"]:
+        if med.get(base) and med["distrun"]:
             ratio = med["distrun"] / (med[base] + load)
             print(f"ratio distrun / ({base} + load): {ratio:.2f}  (target <= 1.00)")
-        else:
+        elif base in med:
             print(f"ratio distrun / ({base} + load): n/a (no successful trial on one side)")
     return 0
 

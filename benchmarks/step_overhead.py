@@ -1,7 +1,9 @@
 """Per-step overhead of distrun's loop: `distrun run --strategy ddp` vs a hand-written DDP loop.
 
-    python benchmarks/step_overhead.py            # ~50K-param model and ~5M-param MLP
-    python benchmarks/step_overhead.py --quick    # fewer steps
+    python benchmarks/step_overhead.py              # ~50K-param model and ~5M-param MLP
+    python benchmarks/step_overhead.py --quick      # fewer steps
+    python benchmarks/step_overhead.py --launches   # separate launches, 5 of each kind
+    python benchmarks/step_overhead.py --launches 9 --quick
 
 For each model, one `distrun run --nproc-per-node 2 --strategy ddp` launch (2 processes,
 gloo, OMP_NUM_THREADS=1) runs, in the same two processes and alternating so that machine load
@@ -14,6 +16,13 @@ warm-up step and the end of the last step, from inside each loop. Printed: steps
 and the ratio distrun / hand-written (target >= 0.97); best of the repeats and the median.
 ``--log-every 1000`` takes logging out of the timed steps; ``BENCH_PROFILE=FILE`` dumps a
 cProfile of rank 0's distrun fit.
+
+``--launches [N]`` compares whole launches instead, as a user would: N launches (default 5) of
+each of (1) the hand-written loop as a plain script under ``torchrun --standalone``, (2) the
+same script under ``distrun run``, (3) distrun's loop (``Trainer.fit``, as above) under
+``distrun run --strategy ddp``, alternated launch by launch, for both models. Each launch times
+its own steps (the same way as above) and rank 0 writes them. Printed: the median steps/s of
+each kind and the ratios (2)/(1) (target >= 0.99) and (3)/(1) (target >= 0.97).
 """
 
 from __future__ import annotations
@@ -168,11 +177,92 @@ def worker(size: str, steps: int, warmup: int, repeats: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def launch_worker(kind: str, size: str, steps: int, warmup: int, out: str) -> None:
+    """One launch's two processes: one loop, timed from inside; rank 0 writes its steps/s."""
+    if kind == "hand":  # a plain torchrun script: it sets up its own process group
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rate = hand_written(size, steps, warmup)
+        dist.destroy_process_group()
+    else:
+        rate = with_distrun(size, steps, warmup, os.path.dirname(out))
+    if os.environ.get("RANK") == "0":
+        with open(out, "w") as fh:
+            json.dump({"steps_per_s": rate}, fh)
+
+
+#: the launches compared by ``--launches``: (1) and (2) run the same script
+KINDS = {"torchrun": "hand-written, torchrun", "distrun-run": "hand-written, distrun run",
+         "distrun-loop": "distrun loop, distrun run"}
+
+
+def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) -> float | None:
+    """One whole launch of ``kind``; its steps/s, or None (said) when it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        loop = "hand" if kind != "distrun-loop" else "distrun"
+        script = [os.path.abspath(__file__), "--launch-worker", loop, size, str(steps),
+                  str(warmup), out]
+        if kind == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", *script]
+        else:
+            cmd = [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
+                   *(["--strategy", "ddp", "--run-dir", tmp] if loop == "distrun" else []),
+                   *script]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"  {size} {kind}: the launch failed (exit {proc.returncode})\n"
+                  f"{proc.stderr[-2000:]}", flush=True)
+            return None
+        with open(out) as fh:
+            return float(json.load(fh)["steps_per_s"])
+
+
+def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> bool:
+    """Alternate whole launches of every kind, ``n`` of each per model; print medians, ratios."""
+    print(f"steps/s, separate launches, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss "
+          f"logged every {env['BENCH_LOG_EVERY']} steps; median of {n} launches of each kind, "
+          "alternated launch by launch", flush=True)
+    ok = True
+    rows = []
+    kinds = list(KINDS)
+    for size, (steps, warmup) in plan.items():
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(n):
+            # rotate the order, so that no kind always follows the same one
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                rate = _launch(kind, size, steps, warmup, env)
+                if rate is None:
+                    ok = False
+                    continue
+                rates[kind].append(rate)
+                print(f"  {size} launch {i + 1}/{n} {kind:<12} {rate:8.1f} steps/s", flush=True)
+        rows.append((size, rates))
+    print(f"{'model':<10} {'params':>9} " + " ".join(f"{k:>13}" for k in kinds) +
+          f" {'run/torchrun':>13} {'loop/torchrun':>14}")
+    for size, rates in rows:
+        params = sum(p.numel() for p in _model(size).parameters())
+        med = {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
+        print(f"{size:<10} {params:>9,} " + " ".join(f"{med[k]:>13.1f}" for k in kinds) +
+              f" {med['distrun-run'] / med['torchrun']:>13.3f}"
+              f" {med['distrun-loop'] / med['torchrun']:>14.3f}")
+    print("kinds: " + "; ".join(f"{k} = {v}" for k, v in KINDS.items()))
+    print("targets: run/torchrun >= 0.99 (the same script, two launchers); "
+          "loop/torchrun >= 0.97 (distrun's loop vs the hand-written one)")
+    return ok
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--log-every", type=int, default=LOG_EVERY,
                         help="steps between loss logs in both loops (default 10)")
+    parser.add_argument("--launches", type=int, nargs="?", const=5, metavar="N",
+                        help="compare N separate launches of each kind (default 5)")
+    parser.add_argument("--launch-worker", nargs=5, metavar=("KIND", "SIZE", "STEPS", "WARMUP",
+                                                             "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
                                                       "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -182,10 +272,19 @@ def main(argv: list[str]) -> int:
         size, steps, warmup, repeats, out = args.worker
         worker(size, int(steps), int(warmup), int(repeats), out)
         return 0
+    if args.launch_worker:
+        kind, size, steps, warmup, out = args.launch_worker
+        launch_worker(kind, size, int(steps), int(warmup), out)
+        return 0
     plan = {"tiny-50K": (300, 50), "mlp-5M": (40, 8)}
     repeats = 3
     if args.quick:
         plan, repeats = {"tiny-50K": (150, 20), "mlp-5M": (25, 5)}, 2
+    if args.launches is not None:
+        # a launch's timed stretch must outlast the machine's hiccups: seconds, not a fraction
+        plan = {"tiny-50K": (600, 100), "mlp-5M": (40, 8)} if args.quick else \
+            {"tiny-50K": (2000, 200), "mlp-5M": (120, 10)}
+        return 0 if launches(plan, max(1, args.launches), env) else 1
     print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss logged every "
           f"{args.log_every} steps; best (median) of {repeats} alternating repeats")
     print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from distrun.config.run_config import DEFAULT_SIGNALS, NPROC_WORDS, RunConfig
-from distrun.launch.exits import exit_code
+from distrun.launch.exits import ExitWatch, exit_code
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.ports import check_port, free_port
 from distrun.launch.relay import Relay, new_tail, report_failure
@@ -149,43 +148,6 @@ class _Worker:
     log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
 
-class _ExitWatch:
-    """Sleep until one of ``procs`` exits: a Linux pidfd per process, else a plain sleep."""
-
-    def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
-        self.fds: list[int] = []
-        self.poller = select.poll() if hasattr(select, "poll") else None
-        if self.poller is None or not hasattr(os, "pidfd_open"):
-            return
-        for proc in procs:
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except OSError:  # no pidfd on this kernel, or the process is already reaped
-                self.close()
-                return
-            self.fds.append(fd)
-            self.poller.register(fd, select.POLLIN)
-
-    @property
-    def blocking(self) -> bool:
-        """True when :meth:`wait` returns as soon as a process exits."""
-        return bool(self.fds)
-
-    def wait(self, timeout: float) -> None:
-        """Return when a process has exited (its pidfd is readable) or after ``timeout``."""
-        if not self.fds or self.poller is None:
-            time.sleep(timeout)
-            return
-        for fd, _ in self.poller.poll(timeout * 1000.0):
-            # an exited process's pidfd stays readable: watch only the ones still running
-            self.poller.unregister(fd)
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-
 class WorkerGroup:
     """This node's worker processes: start, relay output, forward signals, wait, stop."""
 
@@ -230,7 +192,7 @@ class WorkerGroup:
         the kernel cannot say so): on a machine whose every core runs a worker, each wake-up of
         the launcher is time taken from one.
         """
-        exits = _ExitWatch([w.proc for w in self.workers])
+        exits = ExitWatch([w.proc for w in self.workers])
         try:
             while True:
                 codes = [w.proc.poll() for w in self.workers]

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from distrun.launch.exits import exit_code
+from distrun.launch.exits import ExitWatch, exit_code
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
@@ -127,8 +127,12 @@ class DistrunAgent(LocalElasticAgent):
         alive = [h.proc for h in handlers.values() if h.proc.poll() is None]
         _signal(alive, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        exits = ExitWatch(alive)  # wakes as each one exits, not at the next poll
+        try:
+            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+                exits.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        finally:
+            exits.close()
         _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
 
 
@@ -158,6 +162,29 @@ def _quiet_torch_logs(debug: bool) -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _skip_join_skew() -> None:
+    """Take out the random 0-0.3 s pause of torch's c10d rendezvous before a join, on one node.
+
+    torch spreads the first joins of many nodes over 0.3 s so that they do not reach the store
+    all at once, and it pauses again at the first restart (the round is still 0 then). On a
+    single node there is nobody to spread: it only adds 0.15 s, on average, to the start and to
+    the restart. Only that random pause goes; the 1 s pause between polls of a waiting join
+    stays. This process runs one agent of one single-node run, so the change is its own.
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None or getattr(delay, "distrun_no_skew", False):
+        return
+
+    def no_skew(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):  # (low, high): the random skew
+            delay(seconds)
+
+    no_skew.distrun_no_skew = True  # type: ignore[attr-defined]
+    dynamic_rendezvous._delay = no_skew
+
+
 def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     # The agent's workers inherit this process's environment (torch's SubprocessHandler).
     os.environ.update(environ)
@@ -175,6 +202,8 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     """Run the workers of this node under the elastic agent; the exit code of the run."""
     _prepare_environ(plan, environ)
     _quiet_torch_logs(plan.debug)
+    if plan.max_nodes == 1 and plan.rdzv_backend == "c10d":
+        _skip_join_skew()
     configs = {"timeout": 900, **plan.rdzv_configs}
     params = RendezvousParameters(
         backend=plan.rdzv_backend, endpoint=plan.rdzv_endpoint, run_id=plan.run_id,
