@@ -7,7 +7,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -130,22 +130,42 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
 class _Window:
     """Loss and sample counts since the last log, kept as tensors (no per-step sync)."""
 
+    #: losses kept before they are summed into one tensor (bounds the memory of long windows)
+    FOLD = 64
+
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.loss: Any = 0.0
+        self.losses: list[torch.Tensor] = []
+        self.folded: torch.Tensor | None = None
         self.micro = 0
         self.samples = 0
         self.started = time.perf_counter()
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        """Accumulate on the loss's device, in float32 at least, in place after the first."""
-        if isinstance(self.loss, torch.Tensor):
-            self.loss.add_(loss.detach())
-        else:
-            self.loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32),
-                                         copy=True)
+        """Keep the step's loss (a list append: the sum is taken at the log step)."""
+        self.losses.append(loss.detach())
+        if len(self.losses) >= self.FOLD:
+            self.folded = self.total()
+            self.losses = []
+
+    def total(self) -> torch.Tensor:
+        """The sum of the losses so far, in float64, on their device (0 when there is none)."""
+        parts = [_sum(self.losses)] if self.losses else []
+        if self.folded is not None:
+            parts.append(self.folded)
+        if not parts:
+            return torch.zeros((), dtype=torch.float64)
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def _sum(losses: list[torch.Tensor]) -> torch.Tensor:
+    try:
+        return torch.stack(losses).to(torch.float64).sum()
+    except RuntimeError:  # losses of different shapes or devices: one at a time
+        return sum((t.to(torch.float64).sum() for t in losses), torch.zeros((), dtype=torch.float64,
+                                                                           device=losses[0].device))
 
 
 #: the loop's own slots on the run
@@ -264,6 +284,9 @@ def epoch_loop(run: Run, epoch: int) -> int:
     val_every = 0 if run.stash.get(UNEVEN_EPOCH) else cfg.val_every_n_steps
     accum = cfg.grad_accum
     local_batch = run.sampler.local_batch if run.sampler is not None else None
+    training_step, backward = _direct(hook.distrun_training_step), _direct(hook.distrun_backward)
+    optimizer_step, step_end = _direct(hook.distrun_optimizer_step), \
+        _direct(hook.distrun_on_step_end)
     model.train()
     micro_in_step = 0
     for batch, last in _with_last(run.train_loader):
@@ -272,9 +295,9 @@ def epoch_loop(run: Run, epoch: int) -> int:
         boundary = micro_in_step == accum or last
         ctx = st.no_sync(model) if not boundary else _NULL
         with ctx:
-            loss = hook.distrun_training_step(run=run, batch=batch)
+            loss = training_step(run=run, batch=batch)
             _check_loss(run, loss, epoch)
-            hook.distrun_backward(run=run, loss=loss / accum if accum > 1 else loss)
+            backward(run=run, loss=loss / accum if accum > 1 else loss)
         if run.sampler is not None:
             run.sampler.advance()
         run.progress.micro_step += 1
@@ -284,15 +307,14 @@ def epoch_loop(run: Run, epoch: int) -> int:
         if not boundary:
             continue
         micro_in_step = 0
-        hook.distrun_optimizer_step(run=run)
+        optimizer_step(run=run)
         run.optimizer.zero_grad(set_to_none=True)
         if run.lr_scheduler is not None:
             run.lr_scheduler.step()
         prog = run.progress
         prog.step += 1
         prog.step_started = time.monotonic()
-        hook.distrun_on_step_end(run=run, step=prog.step,
-                                 metrics={"loss": loss.detach(), "epoch": epoch})
+        step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
         _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
         if val_every and prog.step % val_every == 0 and run.val_loader is not None:
             validate(run)
@@ -302,6 +324,25 @@ def epoch_loop(run: Run, epoch: int) -> int:
         if run.done:
             break
     return epoch + 1
+
+
+def _direct(caller: Any) -> Callable[..., Any]:
+    """What to call for a per-step hook: when a single plain implementation answers it (the
+    core's, for a run without mixed precision or loss-parallel TP), that function itself, so
+    the step skips pluggy's dispatch; otherwise the hook. Resolved once per epoch: plugins add
+    per-step hooks at setup or at the start of the fit (``run.add_hooks``)."""
+    impls = caller.get_hookimpls()
+    if not impls:
+        return _nothing
+    spec = caller.spec
+    if len(impls) == 1 and not (impls[0].hookwrapper or impls[0].wrapper) and spec is not None \
+            and tuple(impls[0].argnames) == tuple(spec.argnames):
+        return cast(Callable[..., Any], impls[0].function)
+    return cast(Callable[..., Any], caller)
+
+
+def _nothing(**kwargs: Any) -> None:
+    return None
 
 
 class _Null:
@@ -320,9 +361,9 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
     ``step`` (the step sync sends them with its vote and calls ``done`` at the next boundary,
     so no rank waits on them)."""
     window = run.stash[_WINDOW]
-    loss = window.loss if isinstance(window.loss, torch.Tensor) else torch.tensor(window.loss)
+    loss = window.total()
     packed = torch.stack([  # on the loss's device: no host sync here
-        loss.detach().to(torch.float64).reshape(()),
+        loss.reshape(()),
         torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
         torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device)])
     elapsed = max(time.perf_counter() - window.started, 1e-9)
