@@ -314,7 +314,8 @@ def epoch_loop(run: Run, epoch: int) -> int:
         prog = run.progress
         prog.step += 1
         prog.step_started = time.monotonic()
-        step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
+        if step_end is not _nothing:
+            step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
         _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
         if val_every and prog.step % val_every == 0 and run.val_loader is not None:
             validate(run)
