@@ -13,7 +13,10 @@ This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is always set: with the rendezvous store shared with
 the workers, restarted workers read the previous attempt's keys and try to reach dead peers
 (pytorch/pytorch#167288; on torch 2.13 a restart after a SIGKILL fails most times without it).
-Each attempt's workers then build their own store on a fresh port chosen by rendezvous rank 0.
+Each attempt's workers then get a new store on a fresh port chosen by rendezvous rank 0: on one
+node this agent hosts it before the workers start (``TORCHELASTIC_USE_AGENT_STORE=True``, every
+worker a client of a store already listening, so none waits out torch's connect backoff); across
+nodes, worker rank 0 hosts it.
 """
 
 from __future__ import annotations
@@ -76,15 +79,27 @@ class RelayLogsSpecs(DefaultLogsSpecs):
 class DistrunAgent(LocalElasticAgent):
     """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
 
-    def __init__(self, *args: Any, relay: Relay, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, relay: Relay, host_store: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.relay = relay
         #: (global rank, return code) of the worker that failed first in the current attempt
         self.root_cause: tuple[int, int] | None = None
         self.restarts = 0
+        self.host_store = host_store
+        self._store: Any = None
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         self.root_cause = None
+        if self.host_store:
+            # One node: this agent serves each attempt's workers a new store, already listening
+            # on the port rendezvous picked, so no worker waits out a connect backoff for rank 0
+            # to start one, and no key of an earlier attempt survives (pytorch#167288).
+            from torch.distributed import TCPStore
+
+            self._store = None  # the previous attempt's server closes with its last reference
+            self._store = TCPStore(worker_group.master_addr, worker_group.master_port,
+                                   is_master=True, wait_for_workers=False)
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
@@ -185,6 +200,14 @@ def _skip_join_skew() -> None:
     dynamic_rendezvous._delay = no_skew
 
 
+def _workers_use_agent_store(handler: Any) -> None:
+    """Tell the workers (``TORCHELASTIC_USE_AGENT_STORE=True``, which torch's agent takes from
+    the handler) that the agent hosts their store: every rank connects as a client."""
+    cls = type(handler)
+    handler.__class__ = type(f"AgentStore{cls.__name__}", (cls,),
+                             {"use_agent_store": property(lambda self: True)})
+
+
 def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     # The agent's workers inherit this process's environment (torch's SubprocessHandler).
     os.environ.update(environ)
@@ -224,10 +247,14 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         monitor_interval=plan.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=plan.local_addr,
     )
+    host_store = plan.max_nodes == 1 and plan.rdzv_backend == "c10d"
+    if host_store:
+        _workers_use_agent_store(handler)
     relay = Relay(tee=plan.tee)
     stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir),
-                         start_method="spawn", shutdown_timeout=stop_grace, relay=relay)
+                         start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
+                         host_store=host_store)
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
     try:

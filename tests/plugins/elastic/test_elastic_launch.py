@@ -112,10 +112,14 @@ def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
             if "ENV " in line]
     last = [e for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "1"]
     assert sorted(e["RANK"] for e in last) == ["0", "1"]
+    first = [e for e in envs if e["TORCHELASTIC_RESTART_COUNT"] == "0"]
+    assert {e["MASTER_PORT"] for e in first}.isdisjoint({e["MASTER_PORT"] for e in last})
     for env in envs:
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["OMP_NUM_THREADS"] == "1"
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # pytorch#167288 avoided
+        # one node: the agent serves each attempt a new store (not the shared rendezvous store
+        # of pytorch#167288), so every worker is a client of a store already listening
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert json.loads(env["DISTRUN_CONFIG"])["values"]["resume"] == "auto"
     for line in result.stdout.splitlines():
         assert line.startswith(("[rank0]: ", "[rank1]: "))
