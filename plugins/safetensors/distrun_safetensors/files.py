@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from distrun.spec.errors import UsageError
-from distrun_safetensors.checksums import DEFAULT, Checksum
+from distrun_safetensors.checksums import DEFAULT, Checksum, checksum
 
 __all__ = ["DTYPE_SIZES", "CheckpointError", "fsync_dir", "member",
            "read_header", "write_json", "write_safetensors"]
@@ -89,9 +89,7 @@ def write_json(path: str, obj: Any) -> dict[str, Any]:
         fh.flush()
         os.fsync(fh.fileno())
     durable(path)
-    crc = Checksum()
-    crc.update(data)
-    return {"size": len(data), crc.name: crc.hexdigest()}
+    return {"size": len(data), DEFAULT: checksum(data)}
 
 
 # -- writing -----------------------------------------------------------------------------------

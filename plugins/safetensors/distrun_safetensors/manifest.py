@@ -60,16 +60,12 @@ class Checkpoint:
 
     @property
     def checksum(self) -> str:
-        """The name of the checksum each file entry of the manifest carries."""
-        return checksum_name(self.manifest)
+        """The name of the checksum each file entry of the manifest carries (version 1
+        manifests have none: they used zlib's CRC-32)."""
+        return str(self.manifest.get("checksum") or "crc32")
 
     def path(self, name: str) -> str:
         return member(self.folder, name)
-
-
-def checksum_name(manifest: dict[str, Any]) -> str:
-    """Version 1 manifests used zlib's CRC-32; later ones name theirs in ``checksum``."""
-    return str(manifest.get("checksum") or "crc32")
 
 
 # -- reading the small JSON files ----------------------------------------------------------------
