@@ -35,7 +35,11 @@ __all__ = [
     "fit",
     "hookimpl",
     "hookspec",
+    "log",
     "plugin_options",
+    "predict",
+    "test",
+    "validate",
 ]
 
 _LAZY = {
@@ -56,7 +60,46 @@ def __getattr__(name: str) -> Any:
 
 
 def fit(task: Any, **options: Any) -> Any:
-    """Train ``task`` with the loop; ``options`` are run-config fields (flags win over them)."""
+    """Train ``task`` with the loop; ``options`` are run-config fields (flags win over them).
+
+    The model stays live for a :func:`validate`, :func:`test` or :func:`predict` of the same
+    task object that follows in this process."""
+    return _trainer(task, options).fit(task)
+
+
+def validate(task: Any, ckpt_path: str | None = None, **options: Any) -> Any:
+    """Validation metrics of ``task`` (after :func:`fit` of it: on its trained model)."""
+    return _trainer(task, options).validate(task, ckpt_path)
+
+
+def test(task: Any, ckpt_path: str | None = None, **options: Any) -> Any:
+    """Test metrics of ``task`` over ``test_data()`` with ``test_step``."""
+    return _trainer(task, options).test(task, ckpt_path)
+
+
+def predict(task: Any, ckpt_path: str | None = None, **options: Any) -> Any:
+    """``predict_step`` outputs of ``task`` over ``predict_data()``, in dataset order."""
+    return _trainer(task, options).predict(task, ckpt_path)
+
+
+def log(name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
+        reduce: str = "mean") -> None:
+    """Log ``value`` as ``name`` from inside a step (see :meth:`distrun.Task.log`)."""
+    from distrun.train.metrics import log as _log
+
+    _log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
+
+
+_last: Any = None  # the module-level functions' trainer: (task, options, trainer)
+
+
+def _trainer(task: Any, options: dict[str, Any]) -> Any:
+    """The trainer of the last module-level call when it was for this task (its model is
+    live), else a new one."""
+    global _last
     from distrun.train.trainer import Trainer
 
-    return Trainer(**options).fit(task)
+    if _last is not None and _last[0] is task and (not options or options == _last[1]):
+        return _last[2]
+    _last = (task, options, Trainer(**options))
+    return _last[2]

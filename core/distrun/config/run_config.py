@@ -85,6 +85,19 @@ def _run_name(value: str) -> str:
     return value
 
 
+#: what ``--stage`` accepts, in a comma-separated list run in order
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def _stages(value: str) -> str:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in STAGES]
+    if bad or not names:
+        raise ValueError(f"names no stage {', '.join(bad)!s} (use {', '.join(STAGES)}, or "
+                         "several in order: fit,test)")
+    return ",".join(names)
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -114,6 +127,14 @@ class RunConfig:
                      parse=_run_name)
     run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
                             "only when asked: --name or --run-dir)")
+    stage: str = _opt("fit", "what to run: fit, validate, test or predict, or several in order "
+                             "(fit,test); an evaluation alone loads --resume's checkpoint",
+                      parse=_stages, metavar="STAGE[,STAGE]")
+    compile: bool = _opt(False, "torch.compile the model (after the strategy's wrapping; "
+                                "checkpoint keys stay the module's)")
+    predictions: str = _opt("return", "predict: gather the outputs in dataset order on every "
+                                      "rank, or write each rank's to RUN_DIR/predictions",
+                            choices=("return", "write"))
     summary: bool = _opt(True, "print the model summary table on rank 0")
     debug: bool = _opt(False, "show tracebacks for user errors")
     # --- launcher ------------------------------------------------------------------------

@@ -99,15 +99,31 @@ def distrun_register_options(register):
 
 @hookimpl
 def distrun_on_fit_start(run):
-    if not run.is_global_zero or not run.config.get("csv", True) or not run.run_dir:
-        return
-    keep = run.progress.step if run.resumed_from else None
-    run.stash[_KEY] = CsvLogger(os.path.join(run.run_dir, METRICS_FILE), keep_until_step=keep)
+    _open(run)
+
+
+def _open(run: Any) -> CsvLogger | None:
+    """The run's logger, opened at the first fit start or, in an evaluation alone, at the
+    first row. A fit keeps the rows up to the step it resumed from; an evaluation keeps
+    every earlier row (it adds its own to the run's file)."""
+    logger = run.stash.get(_KEY)
+    if logger is not None or not run.is_global_zero or not run.config.get("csv", True) \
+            or not run.run_dir:
+        return logger
+    if run.stage == "fit":
+        keep = run.progress.step if run.resumed_from else None
+    else:
+        keep = run.progress.step if run.resumed_from else -1
+    path = os.path.join(run.run_dir, METRICS_FILE)
+    if keep == -1:
+        keep = 1 << 62 if os.path.exists(path) else None
+    logger = run.stash[_KEY] = CsvLogger(path, keep_until_step=keep)
+    return logger
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
-    logger = run.stash.get(_KEY)
+    logger = _open(run)
     if logger is not None:
         logger.log(step, metrics.get("epoch", run.progress.epoch), metrics)
 

@@ -24,6 +24,13 @@ Call order. In the launcher: ``add_commands``, ``register_options``, ``register_
     -> on_fit_end | (on_preempt -> save_checkpoint -> state_dict) | on_exception
     -> teardown
 
+The other stages (``run.stage``: ``validate``, ``test``, ``predict``; ``--stage`` or
+``Trainer.validate/test/predict``) run after a fit in the same session (no setup again) or
+on their own (setup without training data, then ``[load_checkpoint -> load_state_dict]``);
+then ``run_validation -> on_validation_end -> log_metrics`` (validate), ``log_metrics``
+(test) or nothing (predict), and ``teardown``. ``on_fit_start`` is not called for them: a
+logger opens its file at its first ``log_metrics`` too.
+
 Hooks of phase 1 run in the launcher process (no torch imported, no process group). All the
 others run in every worker process on every rank unless the docstring says otherwise.
 """
@@ -248,8 +255,12 @@ def distrun_log_metrics(run: Run, step: int, metrics: Mapping[str, float]) -> No
     """Metrics reduced across ranks are ready (every ``log_every_n_steps`` and after validation).
 
     Every rank with the same values; loggers write on ``run.is_global_zero`` only. Any number.
+    Also after each epoch that logged ``on_epoch`` values, and for the ``test`` stage.
 
-    :param metrics: plain floats: ``loss``, ``lr``, ``samples_per_sec``, ``epoch``, ``val_*``.
+    :param metrics: plain floats: ``loss``, ``lr``, ``samples_per_sec``, ``epoch``, ``val_*``,
+        ``test_*`` and what the steps log. A fresh dict per call: a wrapper
+        (``@hookimpl(wrapper=True)``) may add entries before its ``yield`` and every logger
+        sees them in the same row (distrun-lr-monitor adds the learning rates so).
     """
 
 
@@ -258,7 +269,8 @@ def distrun_run_validation(run: Run) -> Mapping[str, float] | None:
     """Run validation over ``run.val_loader`` and return metrics reduced across ranks.
 
     Every rank, every ``val_every_n_steps`` and at the end of each epoch when the task has
-    validation data. Stops at first non-None result; the core implements it.
+    validation data, and in the ``validate`` stage (``run.stage``). Stops at first non-None
+    result; the core implements it (sample-weighted means, each sample counted once).
     """
 
 

@@ -80,9 +80,9 @@ def distrun_optimizer_step(run):
 
 @hookimpl
 def distrun_run_validation(run):
-    from distrun.train.loop import validation_loop
+    from distrun.train.stages import evaluate
 
-    return validation_loop(run)
+    return evaluate(run, "validate")
 
 
 # -- state ------------------------------------------------------------------------------------
@@ -95,6 +95,15 @@ def distrun_state_dict(run) -> dict[str, Any]:
     state: dict[str, Any] = {"progress": run.progress.state_dict(), "rng": rng_state()}
     if run.sampler is not None:
         state["sampler"] = run.sampler.state_dict()
+    if run.schedulers:
+        from distrun.train.schedulers import scheduler_states
+
+        state["schedulers"] = scheduler_states(run.schedulers)
+    from distrun.train.loop import STREAM
+
+    cursor = run.stash.get(STREAM)
+    if cursor is not None and cursor.state is not None:
+        state["stream"] = cursor.state
     return state
 
 
@@ -108,5 +117,18 @@ def distrun_load_state_dict(run, state):
         run.sampler.load_state_dict(state["sampler"])
     if "rng" in state:
         set_rng_state(state["rng"])
+    from distrun.train.loop import STREAM
+
+    cursor = run.stash.get(STREAM)
+    if cursor is not None and "stream" in state:
+        run.train_loader.load_state_dict(state["stream"])
+        cursor.state = state["stream"]
+    if run.schedulers:
+        from distrun.train.schedulers import load_scheduler_states
+
+        if "schedulers" in state:
+            load_scheduler_states(run.schedulers, state["schedulers"])
+        elif "lr_scheduler" in state:  # written before distrun 0.2: the first scheduler's
+            run.schedulers[0].scheduler.load_state_dict(state["lr_scheduler"])
 
 

@@ -15,12 +15,21 @@ from distrun.registry.collect import choose_strategy, collect_strategies
 from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.keys import UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
+from distrun.train.iterable import StreamCursor, stream_loader
+from distrun.train.metrics import Accumulator, LogTarget, logging_to
 from distrun.train.rng import seed_everything
 from distrun.train.run import Run
-from distrun.train.sampler import ResumableSampler, ShardedEvalSampler
+from distrun.train.sampler import ResumableSampler
+from distrun.train.schedulers import normalize_schedulers, step_schedulers
+from distrun.train.stages import eval_loader
 from distrun.train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
+from distrun.train.tensors import batch_len, to_device
 
-__all__ = ["fit_loop", "setup_run"]
+__all__ = ["STREAM", "fit_loop", "setup_run"]
+
+#: the cursor of a stateful training loader (an IterableDataset's, or the task's own
+#: StatefulDataLoader): where a checkpoint resumes the stream
+STREAM: StashKey[StreamCursor] = StashKey("loop.stream")
 
 log = logging.getLogger("distrun")
 
@@ -41,6 +50,9 @@ def setup_run(run: Run) -> None:
     run.hook.distrun_setup_model(run=run)
     run.hook.distrun_setup_optimizer(run=run)
     run.hook.distrun_setup_data(run=run)
+    # what the task (or a plugin) set as run.lr_scheduler: one, a dict or a list of them
+    run.schedulers = normalize_schedulers(run.lr_scheduler)
+    run.lr_scheduler = run.schedulers[0].scheduler if run.schedulers else None
 
 
 # -- the core's implementations of the setup hooks ------------------------------------------
@@ -48,11 +60,25 @@ def setup_run(run: Run) -> None:
 
 def wrap_model(run: Run) -> None:
     run.model = run.strategy.wrap_model(run.model)
+    if run.config.compile:
+        # In place (nn.Module.compile): the module and its state_dict keys stay as they were
+        # (no `_orig_mod.`), and it compiles what the strategy made: DDP's module with its
+        # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives.
+        run.model.compile()
 
 
 def build_optimizer(run: Run) -> None:
     if run.optimizer is None:
-        run.optimizer = run.task.configure_optimizer(run.model.parameters())
+        made = run.task.configure_optimizer(run.model.parameters())
+        if isinstance(made, Mapping):  # Lightning's {"optimizer": o, "lr_scheduler": s}
+            if "optimizer" not in made:
+                raise UsageError("configure_optimizer returned a dict without 'optimizer'; "
+                                 "return an optimizer or {'optimizer': o, 'lr_scheduler': s}")
+            run.optimizer = made["optimizer"]
+            if made.get("lr_scheduler") is not None and run.lr_scheduler is None:
+                run.lr_scheduler = made["lr_scheduler"]
+        else:
+            run.optimizer = made
         sched = getattr(run.task, "configure_scheduler", None)
         if sched is not None and run.lr_scheduler is None:
             run.lr_scheduler = sched(run.optimizer)
@@ -74,45 +100,28 @@ def build_loaders(run: Run) -> None:
                   pin_memory=st.device.type == "cuda",
                   persistent_workers=cfg.num_workers > 0,
                   generator=torch.Generator().manual_seed(cfg.seed))
-    data = run.task.train_data()
-    if _is_map_dataset(data):
+    if "fit" not in cfg.stage.split(","):
+        data = None  # an evaluation session: no training data to read
+    else:
+        data = run.task.train_data()
+    if data is None:
+        pass
+    elif isinstance(data, torch.utils.data.IterableDataset):
+        run.train_loader = stream_loader(data, cfg.batch_size, st.dp_rank, st.dp_world_size,
+                                         **common)
+    elif _is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
                                        seed=cfg.seed)
         run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
     else:
         run.train_loader = data
-    val = run.task.val_data() if hasattr(run.task, "val_data") else None
-    if val is not None and _is_map_dataset(val):
-        local = max(1, cfg.batch_size // st.dp_world_size)
-        sampler = ShardedEvalSampler(len(val), local, st.dp_rank, st.dp_world_size)
-        run.val_loader = torch.utils.data.DataLoader(val, batch_sampler=sampler, **common)
-    else:
-        run.val_loader = val
+    if hasattr(run.train_loader, "state_dict") and hasattr(run.train_loader, "load_state_dict"):
+        run.stash[STREAM] = StreamCursor(run.train_loader)  # a stateful loader: resumable
+    run.val_loader = eval_loader(run, run.task.val_data() if hasattr(run.task, "val_data")
+                                 else None)
 
 
 # -- the loop ------------------------------------------------------------------------------
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_len(batch[0])
-    return 1
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -134,6 +143,10 @@ class _Window:
     FOLD = 64
 
     def __init__(self) -> None:
+        #: what the steps log per log row (names persist across rows: see metrics.py)
+        self.logged = Accumulator()
+        #: the epoch the steps in the window trained in (set as each epoch starts)
+        self.epoch = 0
         self.reset()
 
     def reset(self) -> None:
@@ -170,6 +183,8 @@ def _sum(losses: list[torch.Tensor]) -> torch.Tensor:
 
 #: the loop's own slots on the run
 _WINDOW: StashKey[_Window] = StashKey("loop.window")
+#: what the steps log per epoch (``on_epoch``), reduced and logged at each epoch's end
+_EPOCH_LOGGED: StashKey[Accumulator] = StashKey("loop.epoch_logged")
 _VALIDATED_AT: StashKey[int] = StashKey("loop.validated_at_step")
 
 
@@ -177,30 +192,68 @@ def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
     cfg = run.config
     run.stash[_WINDOW] = _Window()
+    run.stash[_EPOCH_LOGGED] = Accumulator()
     sync = run.stash[STEP_SYNC] = StepSync(run)
     sync.pack_metrics = lambda step: _pack_window(run, step)
     run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
+    stream = getattr(run.train_loader, "dataset", None)
+    if run.stash.get(STREAM) is not None and hasattr(stream, "set_epoch"):
+        stream.set_epoch(run.progress.epoch)
     while run.progress.epoch < cfg.max_epochs and not run.done:
         run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
         _await_ranks(run, run.progress.epoch)
         if _stop_agreed(run, sync.drain()) == PREEMPT:
             break
         finished = run.progress.epoch
+        _log_epoch_values(run)
         if not run.done or _epoch_complete(run):
-            if run.val_loader is not None:
-                validate(run)
+            if run.val_loader is not None and run.stash.get(_VALIDATED_AT) != run.progress.step:
+                validate(run)  # (unless val_every_n_steps just did, at this step)
             run.progress.epoch += 1
+            if run.schedulers:
+                step_schedulers(run.schedulers, "epoch", run.progress.epoch, run.metrics)
             if run.sampler is not None:
                 run.sampler.set_epoch(run.progress.epoch)
+            _next_stream_epoch(run)
             run.hook.distrun_on_epoch_end(run=run, epoch=finished)
+            if not run.done and run.stop_requested:
+                # asked at the epoch's validation (early stopping): agreed before the next
+                _stop_agreed(run, sync.drain())
     _stop_agreed(run, sync.drain(metrics=True))  # and logs the last, partial window
     stopped = run.stop_signal is not None
     if not stopped and run.val_loader is not None \
             and run.stash.get(_VALIDATED_AT) != run.progress.step:
         validate(run)
     return run.progress
+
+
+def _next_stream_epoch(run: Run) -> None:
+    """A stream starts the next epoch from its beginning (a checkpoint now must not hold the
+    finished epoch's end), reshuffled when it can be."""
+    cursor = run.stash.get(STREAM)
+    if cursor is None:
+        return
+    cursor.state = None
+    stream = getattr(run.train_loader, "dataset", None)
+    if hasattr(stream, "set_epoch"):
+        stream.set_epoch(run.progress.epoch)
+
+
+def _log_epoch_values(run: Run) -> None:
+    """Reduce what the steps logged ``on_epoch`` this epoch and log it (every rank is at the
+    epoch's end here, joined ones included)."""
+    acc = run.stash[_EPOCH_LOGGED]
+    if not acc:
+        return
+    packed = acc.pack(run.strategy.device)
+    run.strategy.all_reduce(packed, "sum")
+    metrics = acc.unpack(packed)
+    if metrics:
+        metrics["epoch"] = float(run.progress.epoch)
+        run.metrics.update(metrics)
+        run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)
 
 
 _NONFINITE_SEEN: StashKey[bool] = StashKey("loop.nonfinite_seen")
@@ -235,6 +288,17 @@ def _check_loss(run: Run, loss: Any, epoch: int) -> None:
     log.warning("warning: the loss is %s at step %d (epoch %d); training goes on "
                 "(said once; --nonfinite-loss stop ends the run at such a step)", value, step,
                 epoch)
+
+
+def _loss_of(run: Run, out: Mapping[str, Any], target: LogTarget) -> Any:
+    """The loss of a dict a training step returned; its other keys are logged."""
+    if "loss" not in out:
+        raise UsageError(
+            f"{type(run.task).__name__}.training_step(model, batch) returned a dict without "
+            f"'loss' (keys {', '.join(map(repr, list(out)[:5]))}); put the loss to "
+            "back-propagate under 'loss' (the other keys are logged)")
+    target.add_many(out, skip="loss")
+    return out["loss"]
 
 
 def _stop_agreed(run: Run, agreed: int) -> int:
@@ -287,43 +351,56 @@ def epoch_loop(run: Run, epoch: int) -> int:
     training_step, backward = _direct(hook.distrun_training_step), _direct(hook.distrun_backward)
     optimizer_step, step_end = _direct(hook.distrun_optimizer_step), \
         _direct(hook.distrun_on_step_end)
+    per_step = [s for s in run.schedulers if s.interval == "step"]
+    # the common case, one plain per-step scheduler: call its step() directly
+    sched_step = per_step[0].scheduler.step if len(per_step) == 1 and per_step[0].frequency == 1 \
+        and not per_step[0].plateau else None
+    window.epoch = epoch
+    target = LogTarget("fit", window.logged, run.stash[_EPOCH_LOGGED])
+    cursor = run.stash.get(STREAM)
+    batches = cursor.with_last() if cursor is not None else _with_last(run.train_loader)
     model.train()
-    micro_in_step = 0
-    for batch, last in _with_last(run.train_loader):
-        batch = to_device(batch, st.device)
-        micro_in_step += 1
-        boundary = micro_in_step == accum or last
-        ctx = st.no_sync(model) if not boundary else _NULL
-        with ctx:
-            loss = training_step(run=run, batch=batch)
-            _check_loss(run, loss, epoch)
-            backward(run=run, loss=loss / accum if accum > 1 else loss)
-        if run.sampler is not None:
-            run.sampler.advance()
-        run.progress.micro_step += 1
-        window.add_loss(loss)
-        window.micro += 1
-        window.samples += local_batch if local_batch is not None else _batch_len(batch)
-        if not boundary:
-            continue
+    with logging_to(target):
         micro_in_step = 0
-        optimizer_step(run=run)
-        run.optimizer.zero_grad(set_to_none=True)
-        if run.lr_scheduler is not None:
-            run.lr_scheduler.step()
-        prog = run.progress
-        prog.step += 1
-        prog.step_started = time.monotonic()
-        if step_end is not _nothing:
-            step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
-        _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
-        if val_every and prog.step % val_every == 0 and run.val_loader is not None:
-            validate(run)
-            model.train()
-        if 0 <= cfg.max_steps <= prog.step:
-            run.done = True
-        if run.done:
-            break
+        for batch, last in batches:
+            batch = to_device(batch, st.device)
+            micro_in_step += 1
+            boundary = micro_in_step == accum or last
+            ctx = st.no_sync(model) if not boundary else _NULL
+            with ctx:
+                loss = training_step(run=run, batch=batch)
+                if isinstance(loss, Mapping):  # {"loss": ..., other values to log}
+                    loss = _loss_of(run, loss, target)
+                _check_loss(run, loss, epoch)
+                backward(run=run, loss=loss / accum if accum > 1 else loss)
+            if run.sampler is not None:
+                run.sampler.advance()
+            run.progress.micro_step += 1
+            window.add_loss(loss)
+            window.micro += 1
+            window.samples += local_batch if local_batch is not None else batch_len(batch)
+            if not boundary:
+                continue
+            micro_in_step = 0
+            optimizer_step(run=run)
+            run.optimizer.zero_grad(set_to_none=True)
+            prog = run.progress
+            if sched_step is not None:
+                sched_step()
+            elif per_step:
+                step_schedulers(per_step, "step", prog.step + 1, run.metrics)
+            prog.step += 1
+            prog.step_started = time.monotonic()
+            if step_end is not _nothing:
+                step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
+            _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
+            if val_every and prog.step % val_every == 0 and run.val_loader is not None:
+                validate(run)
+                model.train()
+            if 0 <= cfg.max_steps <= prog.step:
+                run.done = True
+            if run.done:
+                break
     return epoch + 1
 
 
@@ -367,15 +444,18 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
         loss.reshape(()),
         torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
         torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device)])
+    logged = window.logged
+    if logged:
+        packed = torch.cat([packed, logged.pack(loss.device)])
     elapsed = max(time.perf_counter() - window.started, 1e-9)
     window.reset()
-    epoch = float(run.progress.epoch)
+    epoch = float(window.epoch)
     lr = None
     if run.optimizer is not None and run.optimizer.param_groups:
         lr = float(run.optimizer.param_groups[0].get("lr", 0.0))
 
     def done(summed: torch.Tensor) -> None:
-        loss_sum, micro, samples = summed.tolist()
+        loss_sum, micro, samples = summed[:3].tolist()
         if micro == 0:
             return
         metrics = {
@@ -387,6 +467,8 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
         }
         if lr is not None:
             metrics["lr"] = lr
+        if summed.numel() > 3:
+            metrics.update(logged.unpack(summed[3:]))
         run.metrics.update(metrics)
         run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
 
@@ -397,46 +479,14 @@ def validate(run: Run) -> Mapping[str, float]:
     sync = run.stash.get(STEP_SYNC)
     if sync is not None:
         sync.flush()  # the training row of this step is logged before the validation row
+    started = time.perf_counter()
     metrics = run.hook.distrun_run_validation(run=run) or {}
+    window = run.stash.get(_WINDOW)
+    if window is not None:  # samples/s counts training time only
+        window.started += time.perf_counter() - started
     run.stash[_VALIDATED_AT] = run.progress.step
     if metrics:
         run.metrics.update(metrics)
         run.hook.distrun_on_validation_end(run=run, step=run.progress.step, metrics=metrics)
         run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
     return metrics
-
-
-def validation_loop(run: Run) -> dict[str, float]:
-    """The core's ``distrun_run_validation``: sample-weighted means reduced over ranks."""
-    step_fn = getattr(run.task, "validation_step", None)
-    if step_fn is None or run.val_loader is None:
-        return {}
-    model, st = run.model, run.strategy
-    was_training = model.training
-    model.eval()
-    names: list[str] = []
-    sums: torch.Tensor | None = None
-    count = 0.0
-    with torch.no_grad():
-        for batch in run.val_loader:
-            batch = to_device(batch, st.device)
-            out = step_fn(model, batch)
-            if out is None:
-                continue
-            if not isinstance(out, Mapping):
-                out = {"val_loss": out}
-            n = float(_batch_len(batch))
-            if not names:
-                names = [k if k.startswith("val_") else f"val_{k}" for k in out]
-            vals = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
-                                for v in out.values()]) * n
-            sums = vals if sums is None else sums + vals
-            count += n
-    model.train(was_training)
-    if sums is None:
-        return {}
-    packed = torch.cat([sums, torch.tensor([count], dtype=torch.float64)]).to(st.device)
-    st.all_reduce(packed, "sum")
-    values = packed.tolist()
-    total = values[-1]
-    return {name: v / total for name, v in zip(names, values[:-1])}

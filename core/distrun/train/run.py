@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from distrun.config.run_config import RunConfig
     from distrun.spec.strategy import Strategy
     from distrun.train.sampler import ResumableSampler
+    from distrun.train.schedulers import Scheduled
 
 __all__ = ["EXIT_REQUEUE", "Progress", "Run"]
 
@@ -58,6 +59,8 @@ class Run:
     def __init__(self, config: RunConfig, task: Any, pm: pluggy.PluginManager) -> None:
         self.config = config
         self.task = task
+        #: what runs: "fit", "validate", "test" or "predict"
+        self.stage = "fit"
         self.pm = pm
         self.hook = pm.hook
         self.strategy: Strategy = None  # type: ignore[assignment]
@@ -65,11 +68,16 @@ class Run:
         self.model: torch.nn.Module = None  # type: ignore[assignment]
         self.optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
         self.lr_scheduler: Any = None
+        #: every scheduler and when it steps (from ``lr_scheduler`` at the end of setup)
+        self.schedulers: list[Scheduled] = []
         self.train_loader: Any = None
         self.val_loader: Any = None
         self.sampler: ResumableSampler | None = None
         self.progress = Progress()
         self.metrics: dict[str, float] = {}
+        #: what each finished stage gave: fit its last metrics, validate/test their metrics,
+        #: predict its outputs
+        self.results: dict[str, Any] = {}
         self.stash = Stash()
         #: a stop signal this rank received (the loop agrees on it with the others)
         self.stop_signal: int | None = None

@@ -10,6 +10,7 @@ The tail of an epoch that does not fill a global batch is skipped (``drop_last``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,13 +98,24 @@ class ResumableSampler:
 
 
 class ShardedEvalSampler:
-    """Evaluation batches: rank ``r`` takes samples ``r, r+W, ...``, padded by wrapping so every
-    rank runs the same number of batches (sharded strategies need equal forward counts)."""
+    """Evaluation batches: rank ``r`` takes samples ``r, r+W, ...`` in batches of ``local_batch``.
+
+    Every rank runs the same number of batches (sharded strategies need equal forward counts):
+    a rank with fewer samples repeats its first batch as filler. :attr:`real` says how many
+    samples of each batch count (0 for a filler), so a metric averaged over ranks counts every
+    sample exactly once, and predictions carry their dataset indices.
+    """
 
     def __init__(self, dataset_len: int, local_batch: int, dp_rank: int, dp_world: int) -> None:
-        per_rank = -(-dataset_len // dp_world)
-        idx = [(dp_rank + i * dp_world) % dataset_len for i in range(per_rank)]
-        self.batches = [idx[i:i + local_batch] for i in range(0, per_rank, local_batch)]
+        idx = list(range(dp_rank, dataset_len, dp_world))
+        self.batches = [idx[i:i + local_batch] for i in range(0, len(idx), local_batch)]
+        self.real = [len(b) for b in self.batches]
+        fullest = math.ceil(dataset_len / dp_world)  # samples of the fullest rank
+        most = math.ceil(fullest / local_batch)
+        filler = self.batches[0] if self.batches else [0]
+        while len(self.batches) < most:
+            self.batches.append(filler)
+            self.real.append(0)
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -16,7 +16,10 @@ __all__ = ["Task", "load_task"]
 class Task:
     """A training task in plain PyTorch; override what you need.
 
-    Required: ``configure_model()``, ``train_data()`` and ``training_step(model, batch)``.
+    Required: ``configure_model()``, ``train_data()`` and ``training_step(model, batch)``
+    (which returns the loss, or a dict with ``"loss"`` whose other keys are logged). For the
+    test stage, define ``test_step(model, batch)`` (a loss or a dict of metrics, logged as
+    ``test_NAME``) and ``test_data()``.
     ``train_data()`` returns a map-style ``Dataset`` (distrun shards and resumes it) or any
     iterable of batches (used as-is on each rank: your code shards it).
     """
@@ -42,7 +45,31 @@ class Task:
         return None
 
     def configure_scheduler(self, optimizer: Any) -> Any:
+        """A scheduler, a dict (``{"scheduler": s, "interval": "epoch", "monitor":
+        "val_loss"}``) or a list of them; see :mod:`distrun.train.schedulers`."""
         return None
+
+    # test and predict stages (``distrun run --stage test``, ``Trainer.test``) ------------
+    def test_data(self) -> Any:
+        return None
+
+    def predict_data(self) -> Any:
+        """What to predict over (default: ``test_data()``)."""
+        return self.test_data()
+
+    def predict_step(self, model: Any, batch: Any) -> Any:
+        """Outputs for a batch, one row per sample (default: ``model(batch)``, or
+        ``model(batch[0])`` for a tuple or list)."""
+        return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    def log(self, name: str, value: Any, *, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce: str = "mean") -> None:
+        """Log a number from a step: per log row in training (``on_step``), per epoch
+        (``on_epoch``) or per pass in validation/test; reduced over ranks (``"mean"`` or
+        ``"sum"``), written by every logger. Every rank must log the same names."""
+        from distrun.train.metrics import log
+
+        log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
 
 
 def load_task(target: str) -> Any:

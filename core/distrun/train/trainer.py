@@ -9,12 +9,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun.registry.collect import collect_options
 from distrun.registry.manager import get_plugin_manager
-from distrun.spec.errors import DistrunError
+from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
 
@@ -65,10 +65,15 @@ def _setup_logging(rank: int) -> None:
 
 
 class Trainer:
-    """Train a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
+    """Train and evaluate a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
 
     Keyword arguments are run-config fields and plugin options; flags, ``DISTRUN_*`` variables
     and the ``--config`` file of ``distrun run`` take precedence over them.
+
+    After :meth:`fit`, :meth:`validate`, :meth:`test` and :meth:`predict` run in the same
+    processes on the trained model (the process group stays up until :meth:`close`, another
+    trainer starts, or the process exits). Called first, they build the model and load
+    ``ckpt_path`` (or ``--resume``) into it.
     """
 
     def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
@@ -76,9 +81,62 @@ class Trainer:
         self._config = config
         self._options = options
         self._plugins = plugins
+        self._run: Run | None = None  # the open session: its strategy and model are live
 
+    # -- the stages -------------------------------------------------------------------------
     def fit(self, task: Any) -> Run:
-        """Run setup, restore, the loop and teardown; return the finished :class:`Run`."""
+        """Run the stages ``--stage`` names (``fit`` by default) and return the :class:`Run`;
+        each stage's result is in ``run.results[stage]``."""
+        run = self._session(task)
+        for stage in run.config.stage.split(","):
+            self._stage(run, stage)
+        return run
+
+    def validate(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """Validation metrics (``val_*``), reduced over ranks, on every rank."""
+        return cast(dict, self._one(task, "validate", ckpt_path))
+
+    def test(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """Test metrics (``test_*``) over ``task.test_data()``, reduced over ranks."""
+        return cast(dict, self._one(task, "test", ckpt_path))
+
+    def predict(self, task: Any = None, ckpt_path: str | None = None) -> Any:
+        """``predict_step`` outputs over ``task.predict_data()`` in dataset order (or, with
+        ``predictions="write"``, the folder of each rank's files)."""
+        return self._one(task, "predict", ckpt_path)
+
+    def close(self) -> None:
+        """End the session: the strategy tears down (the process group it made is destroyed)."""
+        run, self._run = self._run, None
+        global _OPEN
+        if _OPEN is self:
+            _OPEN = None
+        if run is not None and run.strategy is not None:
+            run.strategy.teardown()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _one(self, task: Any, stage: str, ckpt_path: str | None) -> Any:
+        run = self._session(task, stage)
+        self._stage(run, stage, ckpt_path)
+        return run.results.get(stage)
+
+    def _session(self, task: Any, stage: str | None = None) -> Run:
+        """The open run for ``task`` (None: the last one), or a new one set up for it."""
+        if self._run is not None and (task is None or task is self._run.task):
+            return self._run
+        if task is None:
+            raise UsageError(f"Trainer.{stage}() needs the task: trainer.{stage}(task) (or fit "
+                             "it first with this trainer)")
+        global _OPEN
+        if _OPEN is not None:
+            _OPEN.close()  # one live process group at a time
+        self.close()
         _setup_logging(int(os.environ.get("RANK", "0")))
         try:
             pm = get_plugin_manager()
@@ -86,13 +144,34 @@ class Trainer:
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
             config = self._config or worker_config(pm, self._options)
+            if stage is not None:
+                from distrun.config.run_config import with_values
+
+                config = with_values(config, stage=stage)
         except DistrunError as exc:
             _exit_on_error(exc, debug=bool(self._options.get("debug")))
         pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
-        run = Run(config, task, pm)
+        self._run = Run(config, task, pm)
+        _OPEN = self
+        _register_close()
+        return self._run
+
+    def _stage(self, run: Run, stage: str, ckpt_path: str | None = None) -> None:
         previous = _install_stop_handlers(run)
+        pm, config = run.pm, run.config
+        failed = True
         try:
-            self._fit(run)
+            run.stage = stage
+            if run.strategy is None:
+                from distrun.train.loop import setup_run
+
+                setup_run(run)
+            if run.strategy.trains:
+                if stage == "fit":
+                    self._fit(run)
+                else:
+                    run.results[stage] = self._evaluate(run, stage, ckpt_path)
+            failed = False
         except DistrunError as exc:
             pm.hook.distrun_on_exception(run=run, exc=exc)
             _exit_on_error(exc, debug=config.debug)
@@ -109,22 +188,18 @@ class Trainer:
                 pm.hook.distrun_teardown(run=run)
             finally:
                 run.remove_scoped_hooks()
-                if run.strategy is not None:
-                    run.strategy.teardown()
+                stopped = run.stop_signal is not None and run.done
+                if failed or stopped or (run.strategy is not None and not run.strategy.trains):
+                    self.close()
         if run.stop_signal is not None and run.done:
             sys.exit(128 + signal.SIGINT if run.stop_signal == signal.SIGINT else EXIT_REQUEUE)
-        return run
 
     def _fit(self, run: Run) -> None:
-        from distrun.train.loop import setup_run
-
-        setup_run(run)
-        if not run.strategy.trains:
-            return  # this rank served the trainers during strategy.setup and is done
-        if run.config.resume != "never":
+        if run.config.resume != "never" and not run.stash.get(_TRAINING):
             run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
             if run.resumed_from:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
+        run.done = run.stop_requested = False  # a second fit of this session starts afresh
         run.hook.distrun_on_fit_start(run=run)
         run.stash[_TRAINING] = True
         run.hook.distrun_run_fit(run=run)
@@ -135,6 +210,52 @@ class Trainer:
             run.save_checkpoint("preempt")
             return
         run.hook.distrun_on_fit_end(run=run)
+        run.results["fit"] = dict(run.metrics)
+
+    def _evaluate(self, run: Run, stage: str, ckpt_path: str | None) -> Any:
+        source = ckpt_path or (run.config.resume if not run.stash.get(_TRAINING)
+                               and run.resumed_from is None else None)
+        if source and source != "never":
+            loaded = run.hook.distrun_load_checkpoint(run=run, source=source)
+            if loaded:
+                run.resumed_from = loaded
+                log.info("%s: loaded %s (step %d)", stage, loaded, run.progress.step)
+        elif not run.stash.get(_TRAINING) and run.resumed_from is None:
+            log.warning("warning: %s runs on the model as configure_model() made it (no "
+                        "checkpoint was loaded: pass --resume PATH or ckpt_path=...)", stage)
+        from distrun.train.stages import evaluate, predict
+
+        if stage == "predict":
+            return predict(run)
+        from distrun.train.loop import validate
+
+        if stage == "validate":
+            return dict(validate(run))
+        metrics = evaluate(run, stage)
+        if metrics:
+            run.metrics.update(metrics)
+            run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
+        return metrics
+
+
+#: the trainer whose session is open in this process (one process group at a time)
+_OPEN: Trainer | None = None
+_CLOSE_REGISTERED = False
+
+
+def _register_close() -> None:
+    """Close the open session at exit, before the interpreter finalizes (see worker.py)."""
+    global _CLOSE_REGISTERED
+    if not _CLOSE_REGISTERED:
+        import atexit
+
+        atexit.register(_close_open)
+        _CLOSE_REGISTERED = True
+
+
+def _close_open() -> None:
+    if _OPEN is not None:
+        _OPEN.close()
 
 
 def _exit_on_error(exc: DistrunError, debug: bool) -> None:

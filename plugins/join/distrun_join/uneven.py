@@ -30,6 +30,7 @@ from distrun import DistrunError
 from distrun.spec.keys import JOINABLES, UNEVEN_EPOCH
 from distrun.spec.stash import StashKey
 from distrun.train.run import Run
+from distrun.train.schedulers import load_scheduler_states, scheduler_states
 from distrun.train.step_sync import STEP_SYNC
 from distrun.train.tensors import to_cpu
 
@@ -145,16 +146,12 @@ def _resync(run: Run, found: list[Any]) -> None:
     if run.rank == last:
         optim_sd = None if run.optimizer in found or run.optimizer is None \
             else to_cpu(run.optimizer.state_dict())
-        sched = run.lr_scheduler
-        sched_sd = sched.state_dict() if sched is not None and hasattr(sched, "state_dict") \
-            else None
-        states = [optim_sd, sched_sd]
+        states = [optim_sd, scheduler_states(run.schedulers)]
     dist.broadcast_object_list(states, src=last)
     if run.rank != last:
         if states[0] is not None:
             run.optimizer.load_state_dict(states[0])
-        if states[1] is not None:
-            run.lr_scheduler.load_state_dict(states[1])
+        load_scheduler_states(run.schedulers, states[1])
 
 
 class WholeGroups:

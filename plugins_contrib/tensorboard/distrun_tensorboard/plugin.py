@@ -24,16 +24,22 @@ def distrun_register_options(register):
 
 @hookimpl
 def distrun_on_fit_start(run):
-    if not run.is_global_zero or not run.config.get("tensorboard", True):
-        return
-    from distrun_tensorboard.writer import open_writer
+    _writer(run)
 
-    run.stash[_KEY] = open_writer(run)
+
+def _writer(run: Any) -> Any:
+    """The run's writer, opened at fit start or (an evaluation alone) at the first row."""
+    writer = run.stash.get(_KEY)
+    if writer is None and run.is_global_zero and run.config.get("tensorboard", True):
+        from distrun_tensorboard.writer import open_writer
+
+        writer = run.stash[_KEY] = open_writer(run)
+    return writer
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
-    writer = run.stash.get(_KEY)
+    writer = _writer(run)
     if writer is not None:
         for name, value in metrics.items():
             if name != "step":
