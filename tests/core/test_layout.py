@@ -9,7 +9,9 @@ grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (req
 PACKAGES = [
     "distrun", "distrun_ddp", "distrun_dp", "distrun_elastic", "distrun_fsdp", "distrun_join",
     "distrun_rpc", "distrun_safetensors", "distrun_tp", "distrun_amp", "distrun_cluster_env",
-    "distrun_progress", "distrun_tensorboard", "distrun_zero",
+    "distrun_progress", "distrun_tensorboard", "distrun_zero", "distrun_early_stopping",
+    "distrun_lr_monitor", "distrun_profiler", "distrun_mlflow", "distrun_wandb",
+    "distrun_notebook",
 ]
 
 

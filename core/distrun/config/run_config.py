@@ -122,7 +122,8 @@ class RunConfig:
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
-                               "'latest' (the same, but one must exist) or a PATH")
+                               "'latest' (the same, but one must exist), 'best' (the best-k "
+                               "one, with --ckpt-monitor) or a PATH")
     name: str = _opt("", "run name (default: the script's name and the start time)",
                      parse=_run_name)
     run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
@@ -331,13 +332,17 @@ def _read_toml(path: str, opts: Mapping[str, Option]) -> dict[str, Any]:
     return flat
 
 
+#: ``--resume`` words (anything else is a path): ``best`` is the checkpoint plugin's best-k one
+RESUME_WORDS = ("never", "auto", "latest", "best")
+
+
 def _check(config: RunConfig) -> None:
-    if config.resume not in ("never", "auto", "latest") and not os.path.exists(config.resume):
+    if config.resume not in RESUME_WORDS and not os.path.exists(config.resume):
         raise UsageError(
             f"--resume {config.resume}: no such checkpoint "
-            "(use 'auto', 'latest', 'never' or an existing path)"
+            "(use 'auto', 'latest', 'best', 'never' or an existing path)"
         )
-    if config.resume not in ("never", "auto", "latest") and not os.path.isdir(config.resume):
+    if config.resume not in RESUME_WORDS and not os.path.isdir(config.resume):
         raise UsageError(
             f"--resume {config.resume} is a file; give a checkpoint folder (step-N), a "
             "checkpoints folder or a run folder"

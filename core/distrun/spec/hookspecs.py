@@ -328,7 +328,8 @@ def distrun_load_checkpoint(run: Run, source: str) -> str | None:
     Stops at first non-None result.
 
     :param source: ``"auto"`` (newest valid checkpoint of this run, if any), ``"latest"`` (the
-        same, but an error when there is none) or a path.
+        same, but an error when there is none), ``"best"`` (the best by the monitored metric,
+        when the plugin keeps such) or a path.
     :return: the path loaded, or None when there was nothing to load.
     """
 

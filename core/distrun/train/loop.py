@@ -198,7 +198,7 @@ def fit_loop(run: Run) -> Any:
     run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
-    stream = getattr(run.train_loader, "dataset", None)
+    stream: Any = getattr(run.train_loader, "dataset", None)
     if run.stash.get(STREAM) is not None and hasattr(stream, "set_epoch"):
         stream.set_epoch(run.progress.epoch)
     while run.progress.epoch < cfg.max_epochs and not run.done:
@@ -236,7 +236,7 @@ def _next_stream_epoch(run: Run) -> None:
     if cursor is None:
         return
     cursor.state = None
-    stream = getattr(run.train_loader, "dataset", None)
+    stream: Any = getattr(run.train_loader, "dataset", None)
     if hasattr(stream, "set_epoch"):
         stream.set_epoch(run.progress.epoch)
 

@@ -182,7 +182,8 @@ def _gather(run: Run, outputs: list[Any], order: list[int]) -> Any:
     if order and len(order) != len(samples):
         raise UsageError(f"predict_step returned {len(samples)} outputs for {len(order)} samples; "
                          "return one row (first dimension) per sample of the batch")
-    mine = list(zip(order, samples)) if order else [(None, s) for s in samples]
+    mine: list[tuple[Any, Any]] = list(zip(order, samples)) if order else \
+        [(None, s) for s in samples]
     if run.world_size > 1 and run.strategy.dp_world_size > 1:
         import torch.distributed as dist
 

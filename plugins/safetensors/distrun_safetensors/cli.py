@@ -12,12 +12,17 @@ import click
 
 from distrun_safetensors.files import DTYPE_SIZES, CheckpointError
 from distrun_safetensors.manifest import (
+    BEST,
     MODEL_INDEX,
     candidates,
     inside,
     is_checkpoint_folder,
+    monitor_record,
     outside_links,
+    rank_records,
     read_latest,
+    read_manifest_quietly,
+    read_pointer,
     step_folders,
     validate,
 )
@@ -92,6 +97,10 @@ def inspect_cmd(path: str, as_json: bool) -> None:
     click.echo(f"  saved by {m['world_size']} rank(s), strategy {m.get('strategy')}, "
                f"meshes {m.get('meshes') or 'none'}")
     click.echo(f"  {len(m['files'])} files, {_human(total)}")
+    record = monitor_record(m)
+    if record is not None:
+        click.echo(f"  monitored {record['name']}={record['value']:.6g} ({record['mode']}, "
+                   f"logged at step {record.get('step')})")
     for title, tensors in (("model", c.model), ("optimizer state", c.optim)):
         if not tensors:
             continue
@@ -158,6 +167,8 @@ def ls_cmd(directory: str) -> None:
         click.echo(f"warning: {note}", err=True)
     if not folders:
         click.echo(f"no checkpoints in {directory}")
+    best, best_problem = read_pointer(directory, BEST)
+    ranks = _best_ranks(folders)
     for folder in folders:
         mark = "*" if latest and os.path.realpath(latest) == os.path.realpath(folder) else " "
         try:
@@ -165,12 +176,39 @@ def ls_cmd(directory: str) -> None:
             m = c.manifest
             when = _when(m)
             size = sum(f["size"] for f in m["files"].values())
+            tail = ranks.get(folder, "")
+            if best and os.path.realpath(best) == os.path.realpath(folder):
+                tail += "  <- best"
             click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
-                       f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}")
+                       f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}{tail}")
         except CheckpointError as exc:
             click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
+    if best_problem:
+        click.echo(f"warning: {best_problem}", err=True)
+    elif best and not os.path.isdir(best):
+        click.echo(f"warning: {os.path.join(directory, BEST)} names {os.path.basename(best)}, "
+                   "which does not exist (--resume best falls back to the best valid one)",
+                   err=True)
     if problem:
         raise CheckpointError(problem)
+
+
+def _best_ranks(folders: list[str]) -> dict[str, str]:
+    """``folder -> "  val_loss=0.31 #1 of top 2"`` for the checkpoints carrying a monitored
+    value (ranked among those of the same metric; "top k" as the newest record says)."""
+    records = []
+    for folder in folders:
+        record = monitor_record(read_manifest_quietly(folder))
+        if record is not None:
+            records.append((folder, record))
+    out = {}
+    for name, mode in dict.fromkeys((r["name"], r["mode"]) for _, r in records):
+        ranked = rank_records(records, name, mode)
+        k = next((r.get("top_k") for _, r in records if r["name"] == name), None)
+        for i, (folder, record) in enumerate(ranked):
+            top = f" #{i + 1} of top {k}" if isinstance(k, int) and i < k else ""
+            out[folder] = f"  {name}={record['value']:.6g}{top}"
+    return out
 
 
 @ckpt.command("consolidate")

@@ -17,7 +17,10 @@ import torch
 from distrun_safetensors import comm
 from distrun_safetensors.files import CheckpointError, FileReaders
 from distrun_safetensors.manifest import (
+    BEST,
+    LATEST,
     Checkpoint,
+    best_candidates,
     candidates,
     is_checkpoint_folder,
     state_files,
@@ -43,8 +46,16 @@ class LoadResult:
         self.bytes_read = bytes_read
 
 
-def resolve_source(source: str, ckpt_dir: str) -> tuple[list[str], bool, list[str]]:
-    """(folders to try, whether the user named one folder, notes on a broken ``latest``)."""
+def resolve_source(source: str, ckpt_dir: str,
+                   pointer: str = LATEST) -> tuple[list[str], bool, list[str]]:
+    """(folders to try, whether the user named one folder, notes on a broken pointer).
+
+    ``source`` ``best`` (or ``pointer`` ``best`` with ``latest``, ``auto`` or a folder of
+    checkpoints) follows the ``best`` pointer, then the other checkpoints that carry a value
+    of the same monitored metric, best first.
+    """
+    if source == BEST:
+        source, pointer = LATEST, BEST
     if source not in ("auto", "latest"):
         if not os.path.exists(source):
             raise CheckpointError(f"checkpoint {source} does not exist (give a step-N folder, a "
@@ -54,16 +65,18 @@ def resolve_source(source: str, ckpt_dir: str) -> tuple[list[str], bool, list[st
         nested = os.path.join(source, "checkpoints")
         has_own = any(n == "latest" or n.startswith("step-") for n in os.listdir(source))
         ckpt_dir = nested if os.path.isdir(nested) and not has_own else source
-    folders, notes = candidates(ckpt_dir)
+    folders, notes = best_candidates(ckpt_dir) if pointer == BEST else candidates(ckpt_dir)
     return folders, False, notes
 
 
-def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
+def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST) -> Checkpoint | None:
     rank, world = comm.rank_world()
+    if source == BEST:
+        source, pointer = LATEST, BEST
     plan: Any = None
     if rank == 0:
         try:
-            plan = resolve_source(source, ckpt_dir)
+            plan = resolve_source(source, ckpt_dir, pointer)
         except CheckpointError as exc:
             plan = str(exc)
     plan = comm.broadcast(plan)
@@ -72,7 +85,8 @@ def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
     folders, explicit, notes = plan
     for note in notes:
         if rank == 0:
-            log.warning("checkpoint: %s; looking for the newest valid checkpoint", note)
+            log.warning("checkpoint: %s; looking for the %s valid checkpoint", note,
+                        "best" if pointer == BEST else "newest")
     for folder in folders:
         ckpt, error = None, None
         try:
@@ -94,6 +108,10 @@ def _choose(source: str, ckpt_dir: str, verify: bool) -> Checkpoint | None:
                               "(see the warnings above)")
     if source == "auto":
         return None
+    if pointer == BEST:
+        raise CheckpointError(f"no best checkpoint in {where}: none records a monitored "
+                              "metric (train with --ckpt-monitor METRIC first, or resume from "
+                              "latest without --ckpt-resume-best)")
     raise CheckpointError(f"no checkpoint found in {where} "
                           "(train with --ckpt-every-n-steps N first, or use --resume auto)")
 
@@ -149,11 +167,15 @@ def _brief(groups: Any) -> str:
 
 
 def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir: str = "",
-         verify: bool = True) -> LoadResult | None:
+         verify: bool = True, pointer: str = LATEST) -> LoadResult | None:
     """Restore ``model`` (and ``optimizer``) in place on every rank; None when ``auto`` finds
     nothing. Raises :class:`CheckpointError` before changing anything when the checkpoint is
-    damaged or does not fit."""
-    ckpt = _choose(source, ckpt_dir, verify)
+    damaged or does not fit.
+
+    ``source``: ``latest``, ``auto``, ``best`` or a path; ``pointer="best"`` makes
+    ``latest``/``auto``/a checkpoints folder follow ``best`` instead of ``latest``.
+    """
+    ckpt = _choose(source, ckpt_dir, verify, pointer)
     if ckpt is None:
         return None
     problem = None

@@ -6,6 +6,7 @@ See ``plugins/safetensors/FORMAT.md`` for the format these functions read and wr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -14,8 +15,8 @@ from typing import Any
 from distrun_safetensors.checksums import checksum, file_checksum
 from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, member, read_header
 
-__all__ = ["FORMAT", "VERSION", "Checkpoint", "candidates", "inside", "outside_links",
-           "read_latest", "validate"]
+__all__ = ["FORMAT", "VERSION", "Checkpoint", "best_candidates", "candidates", "inside",
+           "monitor_record", "outside_links", "read_latest", "read_pointer", "validate"]
 
 FORMAT = "distrun-safetensors"
 #: 2: files are checked with CRC-32C (the manifest's ``checksum``); 1: zlib's CRC-32
@@ -25,6 +26,10 @@ MODEL_INDEX = "model.safetensors.index.json"
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 OPTIM_JSON = "optimizer.json"
 LATEST = "latest"
+#: names the checkpoint with the best monitored value (``--ckpt-monitor``), updated like LATEST
+BEST = "best"
+#: the manifest key recording the monitored metric of a checkpoint
+MONITOR = "monitor"
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
 #: leaves it as the newest valid one; the next commit removes it)
@@ -251,17 +256,85 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
 
 def read_latest(ckpt_dir: str) -> tuple[str | None, str | None]:
     """(folder named by ``latest``, problem) -- either may be None."""
-    path = os.path.join(ckpt_dir, LATEST)
+    return read_pointer(ckpt_dir, LATEST)
+
+
+def read_pointer(ckpt_dir: str, name: str) -> tuple[str | None, str | None]:
+    """(folder named by the pointer file ``name`` (``latest``, ``best``), problem) -- either
+    may be None."""
+    path = os.path.join(ckpt_dir, name)
     if not os.path.lexists(path):
         return None, None
     try:
-        with open(member(ckpt_dir, LATEST)) as fh:
-            name = fh.read(256).strip()
+        with open(member(ckpt_dir, name)) as fh:
+            target = fh.read(256).strip()
     except (OSError, UnicodeDecodeError, CheckpointError) as exc:
         return None, f"{path} is unreadable ({exc})"
-    if not STEP_RE.match(name):
-        return None, f"{path} does not name a step-N folder ({name[:40]!r})"
-    return os.path.join(ckpt_dir, name), None
+    if not STEP_RE.match(target):
+        return None, f"{path} does not name a step-N folder ({target[:40]!r})"
+    return os.path.join(ckpt_dir, target), None
+
+
+def read_manifest_quietly(folder: str) -> dict[str, Any] | None:
+    """The parsed manifest of ``folder``, or None when it is missing or unreadable (listing
+    and retention only: loading validates)."""
+    try:
+        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
+            manifest = json.loads(fh.read(1 << 20))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def monitor_record(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The manifest's monitored metric ``{"name", "mode", "value", "step"}`` (written by
+    ``--ckpt-monitor``), or None when it has none or it is malformed."""
+    record = (manifest or {}).get(MONITOR)
+    if not isinstance(record, dict):
+        return None
+    value = record.get("value")
+    if not (isinstance(record.get("name"), str) and record.get("mode") in ("min", "max")
+            and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)):
+        return None
+    return record
+
+
+def rank_records(records: list[tuple[str, dict[str, Any]]], name: str,
+                 mode: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(folder, record)`` pairs of metric ``name`` and ``mode``, best first (ties: the
+    earlier step first)."""
+    mine = [(f, r) for f, r in records if r["name"] == name and r["mode"] == mode]
+    sign = 1.0 if mode == "min" else -1.0
+    return sorted(mine, key=lambda fr: (sign * fr[1]["value"], fr[1].get("step", 0)))
+
+
+def best_candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
+    """(folders to try for ``best``: the one ``best`` names, then the others that carry a
+    value of the same monitored metric, best value first; notes about ``best``)."""
+    notes = outside_links(ckpt_dir)
+    named, problem = read_pointer(ckpt_dir, BEST)
+    if problem:
+        notes.append(problem)
+    records = []
+    for folder in step_folders(ckpt_dir):
+        record = monitor_record(read_manifest_quietly(folder))
+        if record is not None:
+            records.append((folder, record))
+    if named is not None and not inside(ckpt_dir, named):
+        named = None
+    if named is not None and not os.path.isdir(named):
+        notes.append(f"{os.path.join(ckpt_dir, BEST)} names {os.path.basename(named)}, which "
+                     "does not exist")
+        named = None
+    # the metric to rank by: the one the named folder carries, else the newest record's
+    ref = next((r for f, r in records if named and f == named), None)
+    if ref is None and records:
+        ref = records[0][1]
+    order = [f for f, _ in rank_records(records, ref["name"], ref["mode"])] if ref else []
+    if named is not None:
+        order = [named] + [f for f in order if f != named]
+    return order, notes
 
 
 def committed_at(folder: str) -> float:

@@ -10,6 +10,7 @@ from distrun import StashKey, hookimpl, plugin_options
 PLUGIN = "safetensors"
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
 _LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic seconds
+_BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-monitor
 
 
 @hookimpl
@@ -26,6 +27,22 @@ def distrun_register_options(register):
     opt("ckpt_verify", bool, True, "verify checksums when loading (--no-ckpt-verify skips it)")
     opt("ckpt_split_mb", float, 4.0,
         "replicated tensors larger than this are split by rows across ranks when saved", min=0)
+    opt("ckpt_monitor", str, "",
+        "keep the checkpoints with the best values of this logged metric (e.g. val_loss)")
+    opt("ckpt_mode", str, "min", "whether a smaller or a larger --ckpt-monitor value is better",
+        choices=("min", "max"))
+    opt("ckpt_save_top_k", int, 1, "how many best checkpoints --ckpt-monitor keeps", min=1)
+    opt("ckpt_resume_best", bool, False,
+        "--resume latest|auto|FOLDER loads the checkpoint `best` names instead of `latest`")
+    opt("init_weights", str, "",
+        "start from these weights: a folder with model.safetensors.index.json and its shards "
+        "(Hugging Face layout) or a .safetensors file; ignored when the run resumes")
+    opt("init_weights_prefix", str, "",
+        "rename the file's tensors: OLD=NEW replaces the prefix OLD by NEW (`model.` alone "
+        "strips it, `=model.` adds it)")
+    opt("init_weights_strict", bool, True,
+        "every model tensor must be in --init-weights with its shape, and nothing else "
+        "(--no-init-weights-strict loads the ones that match and logs the rest)")
 
 
 def _checkpointer(run: Any) -> Any:
@@ -58,12 +75,20 @@ def distrun_save_checkpoint(run, reason):
         saver.on_written = lambda stats: run.log.info(
             "Checkpoint %s written in the background in %.2f s", stats["path"],
             stats["write_s"])
+    record = retention = None
+    best = run.stash.get(_BEST)
+    if best is not None:
+        record, retention = best.before_save(saver, run.progress.step, reason)
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
-                      run.state_dict(), reason=reason, info=info)
+                      run.state_dict(), reason=reason, info=info, record=record,
+                      retention=retention)
     run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
         stats = saver.stats
-        if stats.get("write_s") is None:  # async: training goes on while it is written
+        if stats.get("tagged"):
+            run.log.info("Checkpoint %s (%s): already saved at this step; its manifest now "
+                         "records %s=%.6g", path, reason, record["name"], record["value"])
+        elif stats.get("write_s") is None:  # async: training goes on while it is written
             waited = (f", of which {stats['waited_s'] * 1e3:.0f} ms waiting for the previous "
                       "write") if stats["waited_s"] >= 0.001 else ""
             run.log.info("Checkpoint %s (%s): training paused %.0f ms to copy the state%s",
@@ -80,30 +105,20 @@ def distrun_load_checkpoint(run, source):
     saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()
+    pointer = "best" if run.config.get("ckpt_resume_best", False) else "latest"
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
-                  verify=run.config.get("ckpt_verify", True))
+                  verify=run.config.get("ckpt_verify", True), pointer=pointer)
     if result is None:
         return None
     run.load_state_dict(result.state)
     return result.path
 
 
-@hookimpl
-def distrun_state_dict(run):
-    if run.lr_scheduler is not None and hasattr(run.lr_scheduler, "state_dict"):
-        return {"lr_scheduler": run.lr_scheduler.state_dict()}
-    return None
-
-
-@hookimpl
-def distrun_load_state_dict(run, state):
-    if "lr_scheduler" in state and run.lr_scheduler is not None:
-        run.lr_scheduler.load_state_dict(state["lr_scheduler"])
-
-
-@hookimpl
+@hookimpl(tryfirst=True)  # the initial weights are in place before other plugins look
 def distrun_on_fit_start(run):
     run.stash[_LAST_SAVE] = time.monotonic()
+    if run.config.get("init_weights", "") and run.model is not None:
+        _init_weights(run)
     if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start
         from distrun_safetensors.save import sweep_stale
 
@@ -112,6 +127,43 @@ def distrun_on_fit_start(run):
     every, seconds = run.config.ckpt_every_n_steps, run.config.ckpt_every_n_seconds
     if every or seconds:  # a run without a save cadence has no per-step hook of ours
         run.add_hooks(Cadence(every, seconds))
+    if run.config.get("ckpt_monitor", "") and run.model is not None:
+        run.add_hooks(_best(run))
+
+
+def _best(run: Any) -> Any:
+    """The best-k hooks, with the top k read back from the manifests on disk (rank 0 reads,
+    every rank gets the same list)."""
+    from distrun_safetensors import comm
+    from distrun_safetensors.best import Best, scan
+
+    cfg = run.config
+    entries = scan(ckpt_dir(run), cfg.ckpt_monitor, cfg.ckpt_mode) if run.is_global_zero \
+        else None
+    entries = comm.broadcast(entries)
+    best = Best(cfg.ckpt_monitor, cfg.ckpt_mode, cfg.ckpt_save_top_k, entries)
+    if run.is_global_zero and best.top.entries:
+        run.log.info("Best checkpoints by %s (%s) so far: %s", cfg.ckpt_monitor, cfg.ckpt_mode,
+                     ", ".join(f"{e.folder} ({e.value:.6g})" for e in best.top.entries))
+    run.stash[_BEST] = best
+    return best
+
+
+def _init_weights(run: Any) -> None:
+    path = run.config.init_weights
+    if run.resumed_from:
+        if run.is_global_zero:
+            run.log.info("--init-weights %s is not loaded: the run resumed from %s (the "
+                         "checkpoint wins)", path, run.resumed_from)
+        return
+    from distrun_safetensors.weights import load_weights
+
+    result = load_weights(path, run.unwrapped_model(),
+                          prefix=run.config.get("init_weights_prefix", ""),
+                          strict=run.config.get("init_weights_strict", True))
+    if run.is_global_zero:
+        for line in result.report():
+            run.log.info("%s", line)
 
 
 class Cadence:

@@ -3,13 +3,14 @@
 Commit protocol (see FORMAT.md): all files go into ``<dir>/.tmp-step-N-<id>/`` and are fsynced;
 each rank reports its files with sizes and CRC-32s to rank 0; rank 0 writes the indexes and
 finally ``manifest.json``, fsyncs them and the folder, renames it to ``step-N``, fsyncs the
-parent, then atomically replaces ``latest``. Old checkpoints are pruned only after that.
+parent, then atomically replaces ``latest`` (and ``best``, with ``--ckpt-monitor``). Old
+checkpoints are pruned only after that.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import logging
 import os
 import shutil
 import threading
@@ -35,18 +36,30 @@ from distrun_safetensors.manifest import (
     LATEST,
     MANIFEST,
     MODEL_INDEX,
+    MONITOR,
     OPTIM_INDEX,
     OPTIM_JSON,
     VERSION,
     _check_tensor,  # noqa: I001
     data_file,
     state_files,
-    step_folders,
 )
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
+from distrun_safetensors.retention import (
+    LOCK_SUFFIX,
+    Retention,
+    _claim,
+    add_record,
+    point_best,
+    prune,
+    replace_pointer,
+    sweep_stale,
+)
 from distrun_safetensors.statecodec import encode
 
-__all__ = ["Checkpointer", "optimizer_names"]
+__all__ = ["Checkpointer", "Retention", "optimizer_names", "sweep_stale"]
+
+log = logging.getLogger("distrun")
 
 
 def optimizer_names(optimizer: Any, model: torch.nn.Module) -> list[list[str]]:
@@ -119,18 +132,31 @@ class Checkpointer:
     # -- public ---------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              state: Mapping[str, Any] | None = None, reason: str = "user",
-             info: Mapping[str, Any] | None = None) -> str:
+             info: Mapping[str, Any] | None = None, *, record: Mapping[str, Any] | None = None,
+             retention: Retention | None = None) -> str:
         """Write a checkpoint of ``step``; every rank calls this together. Returns its path.
 
         With ``async_save`` the tensors are copied to CPU memory here and written by a
         background thread; the returned path exists once :meth:`wait` returns.
+
+        ``record`` (the monitored metric, ``{"name", "mode", "value", "step"}``) goes into the
+        manifest under ``monitor``; when this checkpointer already committed ``step``, it is
+        added to that folder's manifest instead of writing the tensors again. ``retention``
+        (rank 0) updates the ``best`` pointer and keeps the top k when pruning.
         """
         started = time.perf_counter()
         self.wait()  # the previous async write: its buffers are about to be reused
         waited = time.perf_counter() - started
         final = os.path.join(self.directory, f"step-{step}")
         if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
+            if record is not None:
+                self._tag(self.last[1], dict(record), retention)
+                seconds = time.perf_counter() - started
+                self.stats = {"step": step, "stall_s": seconds, "waited_s": waited,
+                              "write_s": seconds, "tagged": True}
             return self.last[1]
+        if record is not None:
+            info = {**dict(info or {}), MONITOR: dict(record)}
         rank, world = comm.rank_world()
         tmp: Any = None
         if rank == 0:
@@ -148,6 +174,7 @@ class Checkpointer:
         error = None
         try:
             job = self._collect(rank, world, model, optimizer, state, step, reason, info)
+            job["retention"] = retention
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         error = comm.agree(error)  # every rank fails together, before any file is written
@@ -174,6 +201,14 @@ class Checkpointer:
                                         args=(job, tmp, final), daemon=True)
         self._thread.start()
         return final
+
+    def committed(self, step: int) -> str | None:
+        """The folder of ``step`` if this checkpointer committed it (a save of ``step`` would
+        then not write again); waits for an async save in flight."""
+        self.wait()
+        if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
+            return self.last[1]
+        return None
 
     def wait(self) -> None:
         """Wait for an async save in flight and for the pruning of old checkpoints; re-raise
@@ -320,20 +355,33 @@ class Checkpointer:
             os.rename(tmp, final)
         fsync_dir(self.directory)
         durable("renamed")
-        pointer = os.path.join(self.directory, f".latest-{uuid.uuid4().hex[:8]}")
-        with open(pointer, "w") as fh:
-            fh.write(os.path.basename(final) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        durable("latest written")
-        os.replace(pointer, os.path.join(self.directory, LATEST))
-        fsync_dir(self.directory)
-        durable("latest replaced")
-        # removing old checkpoints is housekeeping: it overlaps training (wait() joins it)
-        self._pruner = threading.Thread(target=self._prune, args=(final,), daemon=True,
-                                        name="distrun-ckpt-prune")
-        self._pruner.start()
+        replace_pointer(self.directory, LATEST, os.path.basename(final))
+        retention = job.get("retention")
+        if retention is not None:
+            point_best(self.directory, retention)
+        self._start_pruning(final, retention)
         return {"error": None}
+
+    def _tag(self, folder: str, record: dict[str, Any], retention: Retention | None) -> None:
+        """Record the monitored value in the committed ``folder`` (rank 0), then move ``best``
+        and prune as after a commit."""
+        if comm.rank_world()[0] != 0:
+            return
+        try:
+            add_record(self.directory, folder, record)
+            if retention is not None:
+                point_best(self.directory, retention)
+        except (OSError, ValueError, CheckpointError) as exc:
+            log.warning("checkpoint: could not record %s=%s in %s (%s); it is not counted as "
+                        "one of the best", record.get("name"), record.get("value"), folder, exc)
+            return
+        self._start_pruning(folder, retention)
+
+    def _start_pruning(self, keep: str, retention: Retention | None) -> None:
+        # removing old checkpoints is housekeeping: it overlaps training (wait() joins it)
+        self._pruner = threading.Thread(target=prune, daemon=True, name="distrun-ckpt-prune",
+                                        args=(self.directory, keep, self.keep_last, retention))
+        self._pruner.start()
 
     def _release(self, tmp: str) -> None:
         fd = self._claims.pop(tmp, None)
@@ -341,82 +389,6 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 os.unlink(tmp + LOCK_SUFFIX)
             os.close(fd)
-
-    def _prune(self, keep: str) -> None:
-        """Drop leftovers of crashed saves and all but the ``keep_last`` newest checkpoints."""
-        sweep_stale(self.directory)
-        for name in os.listdir(self.directory):
-            if name.startswith((".old-step-", ".latest-")):
-                path = os.path.join(self.directory, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.unlink(path)
-        if self.keep_last <= 0:
-            return
-        folders = [f for f in step_folders(self.directory) if f != keep]
-        for folder in folders[self.keep_last - 1:]:
-            shutil.rmtree(folder, ignore_errors=True)
-            durable(f"pruned {folder}")
-
-
-#: next to each temporary folder: a file its writer holds an exclusive flock on
-LOCK_SUFFIX = ".lock"
-
-
-def _claim(tmp: str) -> int:
-    """Lock ``tmp``'s lock file for this process (before the folder exists); return the fd.
-
-    The kernel drops the lock when the process dies, however it dies, so a sweeper can tell a
-    folder whose writer is gone from one another live run is still writing.
-    """
-    fd = os.open(tmp + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def sweep_stale(directory: str) -> list[str]:
-    """Remove the temporary folders in ``directory`` whose writer is gone; return them.
-
-    Safe when several runs share the folder: a folder whose lock is held is left alone.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(directory, name)
-        if not name.startswith(".tmp-step-") or name.endswith(LOCK_SUFFIX):
-            continue
-        try:
-            fd = os.open(path + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: a live save of this or another run
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            os.unlink(path + LOCK_SUFFIX)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    # a lock file whose folder is gone (the writer died before mkdir, or after the sweep above)
-    for name in names:
-        if name.startswith(".tmp-step-") and name.endswith(LOCK_SUFFIX) \
-                and not os.path.isdir(os.path.join(directory, name[:-len(LOCK_SUFFIX)])):
-            lock = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                fd = os.open(lock, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    os.unlink(lock)
-                finally:
-                    os.close(fd)
-    return removed
 
 
 def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 ``st_fsdp`` shards the model with FSDP2's ``fully_shard`` (DTensor Shard(0) parameters).
 Loaded with ``DISTRUN_PLUGINS=st_plugin`` or ``Trainer(plugins=(st_plugin,))``.
 ``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end;
-``ST_DUMP=path`` the full model and optimizer tensors. ``ST_LOAD_ALL=ckpt1,ckpt2,...`` with
+``ST_DUMP=path`` the full model and optimizer tensors; ``ST_DUMP_START=path`` the full model
+tensors at the start of the fit (after --init-weights or a resume). ``ST_LOAD_ALL=ckpt1,ckpt2,...`` with
 ``ST_OUT=dir`` loads each checkpoint through the hooks at fit start, dumps the full tensors to
 ``dir/<i>.safetensors`` and skips training (the layout matrix through real strategy plugins).
 """
@@ -133,6 +134,13 @@ def _dump(run, path):
 
 @hookimpl
 def distrun_on_fit_start(run):
+    start = os.environ.get("ST_DUMP_START")  # the weights training starts from (full tensors)
+    if start:
+        weights = final_weights(run)
+        if run.is_global_zero:
+            from safetensors.torch import save_file
+
+            save_file(weights, start)
     sources = os.environ.get("ST_LOAD_ALL")
     if not sources:
         return

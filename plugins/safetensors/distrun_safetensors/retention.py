@@ -1,0 +1,191 @@
+"""What stays in a checkpoint folder: the ``latest``/``best`` pointers, the monitored value in a
+committed manifest, pruning (``keep_last``, the best k) and the leftovers of killed saves.
+
+Rank 0 runs all of it, after a commit (see FORMAT.md, commit protocol). Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from distrun_safetensors.files import durable, fsync_dir, member, write_json
+from distrun_safetensors.manifest import (
+    BEST,
+    MANIFEST,
+    MONITOR,
+    monitor_record,
+    read_manifest_quietly,
+    read_pointer,
+    step_folders,
+)
+
+__all__ = ["LOCK_SUFFIX", "Retention", "add_record", "point_best", "prune", "replace_pointer",
+           "sweep_stale"]
+
+
+@dataclass(frozen=True)
+class Retention:
+    """The best-k bookkeeping a save hands to rank 0's commit and pruning (``--ckpt-monitor``).
+
+    ``best``: the folder name the ``best`` pointer names after this save (None: remove it);
+    ``protect``: the top-k folder names, never removed; ``monitor``/``mode``: the metric, so a
+    checkpoint saved only for being among the best of it (reason ``best``) is removed once it
+    leaves the top k, while those of another metric are left alone.
+    """
+
+    best: str | None
+    protect: frozenset[str]
+    monitor: str
+    mode: str
+
+
+def replace_pointer(directory: str, name: str, target: str) -> None:
+    """Atomically make the pointer file ``name`` (``latest``, ``best``) say ``target``."""
+    pointer = os.path.join(directory, f".{name}-{uuid.uuid4().hex[:8]}")
+    with open(pointer, "w") as fh:
+        fh.write(target + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    durable(f"{name} written")
+    os.replace(pointer, os.path.join(directory, name))
+    fsync_dir(directory)
+    durable(f"{name} replaced")
+
+
+def point_best(directory: str, retention: Retention) -> None:
+    """Make ``best`` name the top checkpoint (after ``latest``); no write when it already
+    does, removed when there is none."""
+    path = os.path.join(directory, BEST)
+    named, _ = read_pointer(directory, BEST)
+    if retention.best is None:
+        if os.path.lexists(path):
+            os.unlink(path)
+            fsync_dir(directory)
+            durable("best removed")
+        return
+    if named is None or os.path.basename(named) != retention.best:
+        replace_pointer(directory, BEST, retention.best)
+
+
+def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
+    """Put the monitored value into the manifest of the committed ``folder``: the new manifest
+    is written beside the step folders, fsynced and renamed over the old one (a crash leaves
+    one or the other)."""
+    path = member(folder, MANIFEST)
+    with open(path, "rb") as fh:
+        manifest = json.loads(fh.read())
+    manifest[MONITOR] = record
+    tmp = os.path.join(directory, f".manifest-{uuid.uuid4().hex[:8]}")
+    write_json(tmp, manifest)
+    os.replace(tmp, path)
+    fsync_dir(folder)
+    durable("manifest replaced")
+
+
+def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None) -> None:
+    """Drop leftovers of crashed saves, all but the ``keep_last`` newest checkpoints, and
+    (with ``retention``) the checkpoints saved for the best k that left the top k.
+
+    ``keep`` (the checkpoint just committed or given a value) always stays. ``keep_last``
+    counts the checkpoints saved for any reason but ``best``; the top k (``retention.protect``)
+    are never removed; a checkpoint that carries a value of a metric this run does not monitor
+    (or any value, in a run without ``--ckpt-monitor``) is left alone.
+    """
+    sweep_stale(directory)
+    for name in os.listdir(directory):
+        if name.startswith((".old-step-", ".latest-", f".{BEST}-", ".manifest-")):
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+    if keep_last <= 0 and retention is None:
+        return
+    protect = retention.protect if retention is not None else frozenset()
+    regular, drop = [], []
+    keep_regular = True
+    for folder in step_folders(directory):
+        manifest = read_manifest_quietly(folder)
+        record = monitor_record(manifest)
+        ours = retention is not None and record is not None \
+            and (record["name"], record["mode"]) == (retention.monitor, retention.mode)
+        best_only = (manifest or {}).get("reason") == "best"
+        if folder == keep:
+            keep_regular = not best_only
+        elif best_only:
+            if ours and os.path.basename(folder) not in protect:
+                drop.append(folder)
+        elif record is None or ours:
+            regular.append(folder)
+    if keep_last > 0:
+        quota = keep_last - (1 if keep_regular else 0)
+        drop += [f for f in regular[quota:] if os.path.basename(f) not in protect]
+    for folder in drop:
+        shutil.rmtree(folder, ignore_errors=True)
+        durable(f"pruned {folder}")
+
+
+#: next to each temporary folder: a file its writer holds an exclusive flock on
+LOCK_SUFFIX = ".lock"
+
+
+def _claim(tmp: str) -> int:
+    """Lock ``tmp``'s lock file for this process (before the folder exists); return the fd.
+
+    The kernel drops the lock when the process dies, however it dies, so a sweeper can tell a
+    folder whose writer is gone from one another live run is still writing.
+    """
+    fd = os.open(tmp + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the temporary folders in ``directory`` whose writer is gone; return them.
+
+    Safe when several runs share the folder: a folder whose lock is held is left alone.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.startswith(".tmp-step-") or name.endswith(LOCK_SUFFIX):
+            continue
+        try:
+            fd = os.open(path + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live save of this or another run
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            os.unlink(path + LOCK_SUFFIX)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    # a lock file whose folder is gone (the writer died before mkdir, or after the sweep above)
+    for name in names:
+        if name.startswith(".tmp-step-") and name.endswith(LOCK_SUFFIX) \
+                and not os.path.isdir(os.path.join(directory, name[:-len(LOCK_SUFFIX)])):
+            lock = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(lock)
+                finally:
+                    os.close(fd)
+    return removed
