@@ -93,6 +93,18 @@ def log(name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | 
 _last: Any = None  # the module-level functions' trainer: (task, options, trainer)
 
 
+def _forget_last() -> None:
+    global _last
+    _last = None
+
+
+# A forked process (the notebook launcher's ranks) has none of its parent's live sessions.
+import os as _os  # noqa: E402
+
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_forget_last)
+
+
 def _trainer(task: Any, options: dict[str, Any]) -> Any:
     """The trainer of the last module-level call when it was for this task (its model is
     live), else a new one."""

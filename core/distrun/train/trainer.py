@@ -39,7 +39,7 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
     if not config.run_dir:
         from distrun.config.run_config import fresh_run_folder, with_values
 
-        name = config.name or os.path.splitext(os.path.basename(sys.argv[0] or "run"))[0]
+        name = config.name or _script_name()
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if not config.name and int(os.environ.get("WORLD_SIZE", "1")) > 1 and run_id \
                 and config.resume == "never":
@@ -49,6 +49,15 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
         if CONFIG_ENV not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             config = fresh_run_folder(config)  # `python train.py` again: a new folder
     return config
+
+
+def _script_name() -> str:
+    """The run's default name: the script's, or the notebook's inside a Jupyter kernel."""
+    name = os.path.splitext(os.path.basename(sys.argv[0] or "run"))[0]
+    if name == "ipykernel_launcher":
+        session = os.environ.get("JPY_SESSION_NAME", "")
+        name = os.path.splitext(os.path.basename(session))[0] or "notebook"
+    return name
 
 
 def _setup_logging(rank: int) -> None:
