@@ -108,6 +108,7 @@ def test_a_dict_without_loss_and_a_wrong_logged_value_are_usage_errors(distrun_p
                 run_dir=str(tmp_path / "b")).fit(BadLog())
 
 
+@pytest.mark.slow
 def test_stage_flag_tests_a_checkpoint_in_new_processes(tmp_path):
     pytest.importorskip("distrun_safetensors", reason="checkpoints need distrun-safetensors")
     fit = run_cli("run", "--nproc-per-node", "2", "--max-epochs", "1", "--batch-size", "16",
@@ -123,6 +124,38 @@ def test_stage_flag_tests_a_checkpoint_in_new_processes(tmp_path):
     assert [set(r) >= {"test_loss", "test_mae"} for r in rows] == [True]
     assert rows[0]["step"] == 256 // 16  # the checkpoint's step
 
+    # predictions too large to gather: each rank writes its own, with dataset indices
+    pred = run_cli("run", "--nproc-per-node", "2", "--stage", "predict", "--predictions",
+                   "write", "--batch-size", "16", "--resume", str(ckpt.resolve()), "--name",
+                   "pred", "--no-summary", f"{TASK}:StageTask", cwd=tmp_path, timeout=240)
+    assert pred.returncode == 0, pred
+    from safetensors.torch import load_file
+
+    parts = [load_file(str(tmp_path / "runs" / "pred" / "predictions" / f"rank-{r}.safetensors"))
+             for r in range(2)]
+    index = torch.cat([p["index"] for p in parts])
+    output = torch.cat([p["output"] for p in parts])
+    assert sorted(index.tolist()) == list(range(N_TEST))  # every sample once, fillers out
+    assert output.shape == (N_TEST, 1)
+
     bad = run_cli("run", "--stage", "tset", f"{TASK}:StageTask", cwd=tmp_path)
     assert bad.returncode == 2 and "names no stage tset" in bad.stderr, bad
     assert len(bad.stderr.strip().splitlines()) == 1, bad
+
+
+def test_scheduler_states_resume_from_a_checkpoint(distrun_pm, tmp_path, monkeypatch):
+    pytest.importorskip("distrun_safetensors", reason="checkpoints need distrun-safetensors")
+    import distrun_safetensors.plugin as st
+
+    monkeypatch.setenv("STAGE_PLATEAU", "1")
+
+    def fit(run_dir, epochs, **options):
+        with Trainer(plugins=(st,), max_epochs=epochs, batch_size=32, summary=False,
+                     run_dir=str(tmp_path / run_dir), **options) as trainer:
+            run = trainer.fit(StageTask())
+            return run.optimizer.param_groups[0]["lr"], run.state_dict()["schedulers"]
+
+    whole = fit("whole", 3)
+    fit("cut", 2, ckpt_save_on_end=True)
+    resumed = fit("cut", 3, resume="latest")
+    assert resumed == whole  # StepLR's count and the plateau's best/bad epochs carried over
