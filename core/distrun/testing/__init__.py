@@ -23,7 +23,8 @@ import pytest
 
 from distrun.launch.ports import free_port
 
-__all__ = ["CliResult", "busy_cores", "distrun_cli", "distrun_pm", "free_port", "run_cli",
+__all__ = ["CliResult", "busy_cores", "distrun_cli", "distrun_pm", "free_port", "imports_torch",
+           "run_cli",
            "run_on_ranks"]
 
 
@@ -39,6 +40,15 @@ class CliResult:
 
     def __str__(self) -> str:  # shown by pytest when an assertion on the result fails
         return f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def imports_torch(*modules: str) -> bool:
+    """Whether importing ``modules`` in a fresh interpreter imports torch (a plugin's entry
+    point must not: ``distrun --help`` and the launcher stay torch-free)."""
+    code = f"import sys, {', '.join(modules)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip() == "True"
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from distrun.testing import run_cli, run_on_ranks
+from distrun.testing import imports_torch, run_cli, run_on_ranks
 from distrun_amp.plugin import AMP
 
 HERE = Path(__file__).resolve().parent
@@ -115,9 +114,4 @@ def test_16_mixed_with_grad_scaler_on_cuda(tmp_path):
 
 
 def test_plugin_module_does_not_import_torch():
-    code = "import sys, distrun_amp.plugin; print('torch' in sys.modules)"
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ}, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("distrun_amp.plugin")

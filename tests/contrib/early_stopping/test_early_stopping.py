@@ -11,13 +11,11 @@ import csv
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from distrun.testing import run_cli
+from distrun.testing import imports_torch, run_cli
 from distrun_early_stopping import EarlyStopping
 
 HERE = Path(__file__).resolve().parent
@@ -93,9 +91,7 @@ def test_rule_state_round_trip_only_for_the_same_metric():
 
 
 def test_plugin_module_does_not_import_torch():
-    code = "import sys, distrun_early_stopping.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("distrun_early_stopping.plugin")
 
 
 # -- real runs ----------------------------------------------------------------------------------

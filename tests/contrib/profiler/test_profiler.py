@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import distrun
-from distrun.testing import run_cli, run_on_ranks
+from distrun.testing import imports_torch, run_cli, run_on_ranks
 
 TASK = Path(__file__).resolve().parents[2] / "core" / "tiny_task.py"
 
@@ -34,9 +33,7 @@ def event_names(path: Path) -> Counter:
 
 
 def test_plugin_module_does_not_import_torch():
-    code = "import sys, distrun_profiler.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("distrun_profiler.plugin")
 
 
 def test_ddp_run_writes_a_trace_per_rank(tmp_path):

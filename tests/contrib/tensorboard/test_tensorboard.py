@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from distrun.testing import run_cli
+from distrun.testing import imports_torch, run_cli
 
 TASK = Path(__file__).resolve().parents[2] / "core" / "tiny_task.py"
 
@@ -67,9 +65,7 @@ def test_off_and_custom_dir(tmp_path):
 
 
 def test_plugin_module_does_not_import_torch():
-    code = "import sys, distrun_tensorboard.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("distrun_tensorboard.plugin")
 
 
 @pytest.mark.slow

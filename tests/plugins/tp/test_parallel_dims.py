@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
 from distrun import UsageError
 from distrun.config.parallel_dims import ParallelDims
+from distrun.testing import imports_torch
 
 
 def test_degrees_and_mesh_layout() -> None:
@@ -41,6 +40,4 @@ def test_tp_that_does_not_divide_the_world() -> None:
 
 
 def test_torch_free() -> None:
-    code = "import sys, distrun.config.parallel_dims, distrun_tp.plugin; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert not imports_torch("distrun.config.parallel_dims", "distrun_tp.plugin")
