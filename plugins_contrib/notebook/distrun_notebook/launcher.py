@@ -1,0 +1,209 @@
+"""``notebook_launcher``: a function or a distrun Task on N local processes forked from a cell.
+
+Forked, not spawned: what the notebook defined (functions, classes, data already in memory)
+is simply there in every rank, nothing is pickled on the way in. Each rank gets exactly the
+variables torchrun sets, so ``torch.distributed.init_process_group()`` and ``distrun.fit`` work
+inside unchanged. Torch-free at import; torch is looked at only if the kernel already has it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrun import UsageError
+from distrun_notebook.child import in_launched_process
+from distrun_notebook.workers import WorkerGroup
+
+__all__ = ["FitResult", "notebook_launcher"]
+
+#: run-config fields that describe a launch; here the launcher decides them
+_LAUNCH_FIELDS = {
+    "nproc_per_node": "use num_processes=N",
+    "nnodes": "notebook_launcher runs on this machine only",
+    "node_rank": "notebook_launcher runs on this machine only",
+    "master_addr": "rank 0's store is always on 127.0.0.1",
+    "master_port": "a free port is picked for every launch",
+}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What training a Task returns to the kernel (from rank 0)."""
+
+    #: the last reduced values the loop logged: loss, lr, samples_per_sec, epoch, val_*, ...
+    metrics: dict[str, float] = field(default_factory=dict)
+    step: int = 0
+    epoch: int = 0
+    #: absolute path of the run folder (config.toml, metrics.csv, checkpoints/)
+    run_dir: str = ""
+
+
+def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
+                      num_processes: int = 2, *, stop_grace: float = 10.0,
+                      show_all_ranks: bool = False, **options: Any) -> Any:
+    """Run ``fn(*args)``, or train a distrun Task, on ``num_processes`` forked processes.
+
+    A function returns rank 0's return value (pickled back). A Task (an instance, or a class
+    built in each rank as ``Task(*args)``) is trained with ``distrun.fit(task, **options)``
+    (``options``: run-config fields such as ``strategy="ddp", max_epochs=2``) and returns a
+    :class:`FitResult`. A rank that fails raises :class:`~distrun_notebook.LaunchFailed`
+    here; the others get SIGTERM, and SIGKILL 3 s later. Ctrl-C sends every rank SIGINT (a
+    Task saves at its next step), SIGKILL after ``stop_grace`` seconds or at a second Ctrl-C,
+    and raises KeyboardInterrupt. Rank 0's output and the other ranks' stderr (prefixed
+    ``[rank N]``) show in the cell; ``show_all_ranks`` adds the others' stdout.
+    ``num_processes=1`` runs in a fork too.
+    """
+    _check_request(fn_or_task, args, num_processes, stop_grace, options)
+    _check_kernel()
+    task = _is_task(fn_or_task)
+    port = _free_port()
+    run_id = uuid.uuid4().hex[:12]
+    base: dict[str, str] = {}
+    if task:
+        base = _task_config(fn_or_task, options, num_processes)
+        target = _train_target(fn_or_task, tuple(args), options)
+    else:
+        target = _call_target(fn_or_task, tuple(args))
+    envs = [_rank_env(rank, num_processes, port, run_id, base) for rank in range(num_processes)]
+    group = WorkerGroup(stop_grace, show_all=show_all_ranks)
+    try:
+        return group.run([target] * num_processes, envs)
+    except KeyboardInterrupt:
+        print(f"notebook_launcher: interrupted; the {num_processes} process"
+              f"{'es were' if num_processes > 1 else ' was'} stopped", file=sys.stderr)
+        raise
+
+
+# -- refusals (one line each, before anything is forked) --------------------------------------
+def _check_request(fn_or_task: Any, args: Any, num_processes: Any, stop_grace: Any,
+                   options: dict[str, Any]) -> None:
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
+            or num_processes < 1:
+        raise UsageError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
+    if not isinstance(args, (tuple, list)):
+        raise UsageError(f"args must be a tuple of arguments, got {type(args).__name__} "
+                         "(one argument: args=(value,))")
+    if not isinstance(stop_grace, (int, float)) or stop_grace < 0:
+        raise UsageError(f"stop_grace must be a number of seconds >= 0, got {stop_grace!r}")
+    if _is_task(fn_or_task):
+        if args and not isinstance(fn_or_task, type):
+            raise UsageError("args are the constructor arguments of a Task class; this Task is "
+                             "already built (pass the class, or drop args)")
+        for name, why in _LAUNCH_FIELDS.items():
+            if name in options:
+                raise UsageError(f"{name}= is not a notebook_launcher option: {why}")
+        return
+    if not callable(fn_or_task):
+        raise UsageError(f"notebook_launcher runs a function or a distrun Task, got "
+                         f"{type(fn_or_task).__name__}")
+    if options:
+        names = ", ".join(f"{k}=" for k in options)
+        raise UsageError(f"{names}: run options apply when launching a Task; a function gets "
+                         "args=(...) (call distrun.fit(task, ...) inside it yourself)")
+
+
+def _check_kernel() -> None:
+    if in_launched_process():
+        raise UsageError("notebook_launcher was called inside a process it launched: call it "
+                         "from the notebook only")
+    if not hasattr(os, "fork"):
+        raise UsageError(f"notebook_launcher forks the kernel, which {sys.platform} cannot do: "
+                         "run a script with `distrun run --nproc-per-node N` instead")
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return  # nothing torch-related can be set up yet
+    if torch.cuda.is_initialized():
+        raise UsageError("CUDA is already initialized in this kernel and a forked process "
+                         "cannot use it: restart the kernel and keep every CUDA call "
+                         "(.cuda(), .to('cuda'), torch.cuda.*) inside the launched code")
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise UsageError("a torch.distributed process group exists in this kernel: call "
+                         "torch.distributed.destroy_process_group() (or restart the kernel) "
+                         "and create process groups only inside the launched code")
+
+
+def _is_task(obj: Any) -> bool:
+    return all(callable(getattr(obj, m, None))
+               for m in ("configure_model", "train_data", "training_step"))
+
+
+# -- what each rank runs ----------------------------------------------------------------------
+def _call_target(fn: Any, args: tuple[Any, ...]) -> Any:
+    def call() -> Any:
+        return fn(*args)
+
+    return call
+
+
+def _train_target(task: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+    def train() -> FitResult:
+        import distrun
+
+        built = task(*args) if isinstance(task, type) else task
+        # distrun.fit(built, **options), minus its module-level reuse of the last trainer: a
+        # trainer the kernel itself may have left for this task object belongs to the kernel
+        run = distrun.Trainer(**options).fit(built)
+        return FitResult(metrics={k: float(v) for k, v in run.metrics.items()},
+                         step=run.progress.step, epoch=run.progress.epoch,
+                         run_dir=os.path.abspath(run.run_dir) if run.run_dir else "")
+
+    return train
+
+
+def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> dict[str, str]:
+    """Resolve the run config here, as ``distrun run`` does before it starts workers.
+
+    A bad option or an unknown strategy is then one line in the cell, not an error in every
+    rank; and the ranks share one fresh run folder (``runs/<notebook>``, ``-2``, ...).
+    """
+    from distrun.config.run_config import (
+        CONFIG_ENV,
+        fresh_run_folder,
+        resolve_config,
+        with_values,
+    )
+    from distrun.registry.collect import choose_strategy, collect_options, collect_strategies
+    from distrun.registry.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    config = resolve_config(collect_options(pm), code=options)
+    choose_strategy(config, num_processes, collect_strategies(pm), pm.is_blocked)
+    if not config.run_dir:
+        name = config.name or _notebook_name()
+        config = with_values(config, source=config.sources.get("name", "launcher"), name=name)
+        config = with_values(config, run_dir=os.path.join("runs", name))
+    config = fresh_run_folder(config)
+    return {CONFIG_ENV: config.to_json()}
+
+
+def _notebook_name() -> str:
+    """The notebook's file name when Jupyter says it (JPY_SESSION_NAME), else "notebook"."""
+    path = os.environ.get("JPY_SESSION_NAME", "")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    keep = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem).strip(".-")
+    return keep or "notebook"
+
+
+def _rank_env(rank: int, world: int, port: int, run_id: str,
+              base: dict[str, str]) -> dict[str, str]:
+    from distrun.launch.lifeline import LAUNCHER_PID_ENV
+    from distrun.launch.local import torchrun_env
+
+    env = torchrun_env(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                       node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=port,
+                       run_id=run_id)
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    env.update(base)
+    return env
+
+
+def _free_port() -> int:
+    from distrun.launch.ports import free_port
+
+    return free_port("127.0.0.1")
