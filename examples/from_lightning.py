@@ -15,7 +15,7 @@ whole table):
 - ``ModelCheckpoint(monitor="val_acc", mode="max", save_top_k=2, save_last=True)`` ->
   ``ckpt_monitor="val_acc"``, ``ckpt_mode="max"``, ``ckpt_save_top_k=2``,
   ``ckpt_save_on_end=True`` (distrun-safetensors)
-- ``LearningRateMonitor`` -> distrun-lr-monitor (on once installed)
+- ``LearningRateMonitor(logging_interval="step")`` -> ``lr_monitor=True`` (distrun-lr-monitor)
 - ``trainer.fit(model, dm)`` then ``trainer.test(ckpt_path="best")`` -> the same calls
 
 The digits ship with scikit-learn (nothing is downloaded). The run ends at about 97% test
@@ -84,7 +84,7 @@ class LitDigits(distrun.Task):
 def main() -> dict[str, float]:
     trainer = distrun.Trainer(
         max_epochs=int(os.environ.get("EPOCHS", "8")), batch_size=64, log_every_n_steps=5,
-        early_stop_monitor="val_loss", early_stop_patience=3,
+        early_stop_monitor="val_loss", early_stop_patience=3, lr_monitor=True,
         ckpt_monitor="val_acc", ckpt_mode="max", ckpt_save_top_k=2, ckpt_save_on_end=True)
     task = LitDigits()
     run = trainer.fit(task)

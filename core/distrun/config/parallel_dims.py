@@ -1,9 +1,10 @@
-"""The parallel degrees of a run (data x tensor parallel), validated once. Torch-free.
+"""The parallel degrees of a run (pipeline x data x tensor parallel), validated once. Torch-free.
 
 Strategies that build a device mesh (fsdp, tp and their 2D composition) describe it with one
 :class:`ParallelDims`, so the check that the degrees multiply to the world size lives in one
 place and its error says the numbers. The mesh dimension names are part of the contract:
-``"dp"`` (or ``"dp_replicate"`` x ``"dp_shard"`` for HSDP) and ``"tp"``.
+``"dp"`` (or ``"dp_replicate"`` x ``"dp_shard"`` for HSDP) and ``"tp"``, preceded by ``"pp"``
+(outermost) when there are pipeline stages.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ __all__ = ["ParallelDims"]
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Data-parallel degree ``dp`` (= ``dp_replicate`` x ``dp_shard``) times ``tp`` = world size.
+    """Pipeline stages ``pp`` x data-parallel degree ``dp`` (= ``dp_replicate`` x ``dp_shard``)
+    x ``tp`` = world size.
 
     ``dp_replicate`` > 1 is HSDP: ``dp_replicate`` groups of ``dp / dp_replicate`` ranks, each
     group holding one sharded copy of the model.
@@ -27,17 +29,19 @@ class ParallelDims:
     dp: int
     tp: int = 1
     dp_replicate: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "dp", "tp", "dp_replicate"):
+        for name in ("world_size", "dp", "tp", "dp_replicate", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"parallel degree {name} must be a whole number >= 1, "
                                  f"got {value!r}")
-        if self.dp * self.tp != self.world_size:
+        if self.pp * self.dp * self.tp != self.world_size:
+            pp = f"pp {self.pp} x " if self.pp > 1 else ""
             raise UsageError(
-                f"parallel degrees do not multiply to the world size: dp {self.dp} x tp "
-                f"{self.tp} = {self.dp * self.tp}, but there are {self.world_size} ranks "
+                f"parallel degrees do not multiply to the world size: {pp}dp {self.dp} x tp "
+                f"{self.tp} = {self.pp * self.dp * self.tp}, but there are {self.world_size} ranks "
                 f"(choose degrees whose product is {self.world_size})"
             )
         if self.dp % self.dp_replicate:
@@ -48,15 +52,22 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, dp_replicate: int = 1) -> ParallelDims:
-        """The degrees for ``world_size`` ranks: ``dp`` is what ``tp`` leaves over."""
-        if tp < 1 or world_size % tp:
+    def from_world(cls, world_size: int, tp: int = 1, dp_replicate: int = 1,
+                   pp: int = 1) -> ParallelDims:
+        """The degrees for ``world_size`` ranks: ``dp`` is what ``pp`` and ``tp`` leave over."""
+        if pp < 1 or world_size % pp:
+            raise UsageError(
+                f"--pp {pp} does not divide the world size {world_size} (use a number of "
+                f"pipeline stages that divides {world_size}, e.g. {_divisors(world_size)})"
+            )
+        if tp < 1 or (world_size // pp) % tp:
             raise UsageError(
                 f"--tp-size {tp} does not divide the world size {world_size} "
                 f"(use a tensor-parallel size that divides {world_size}, e.g. "
                 f"{_divisors(world_size)})"
             )
-        return cls(world_size=world_size, dp=world_size // tp, tp=tp, dp_replicate=dp_replicate)
+        return cls(world_size=world_size, dp=world_size // pp // tp, tp=tp,
+                   dp_replicate=dp_replicate, pp=pp)
 
     @property
     def dp_shard(self) -> int:
@@ -72,16 +83,17 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh shape, outermost dimension first (tp innermost: neighbours)."""
         dp = (self.dp_replicate, self.dp_shard) if self.dp_replicate > 1 else (self.dp,)
-        return (*dp, self.tp)
+        return (*((self.pp,) if self.pp > 1 else ()), *dp, self.tp)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return (*self.dp_dim_names, "tp")
+        return (*(("pp",) if self.pp > 1 else ()), *self.dp_dim_names, "tp")
 
     def __str__(self) -> str:
         hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" \
             if self.dp_replicate > 1 else ""
-        return f"dp {self.dp}{hsdp} x tp {self.tp} = {self.world_size} ranks"
+        pp = f"pp {self.pp} x " if self.pp > 1 else ""
+        return f"{pp}dp {self.dp}{hsdp} x tp {self.tp} = {self.world_size} ranks"
 
 
 def _divisors(n: int) -> str:

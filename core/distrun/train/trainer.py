@@ -192,10 +192,10 @@ class Trainer:
                 _exit_on_error(DistrunError(_lost_peer_message(run, exc)), debug=config.debug)
             raise
         finally:
-            _restore_handlers(previous)
             try:
-                pm.hook.distrun_teardown(run=run)
+                pm.hook.distrun_teardown(run=run)  # a stop signal now must not cut it short
             finally:
+                _restore_handlers(previous)
                 run.remove_scoped_hooks()
                 stopped = run.stop_signal is not None and run.done
                 if failed or stopped or (run.strategy is not None and not run.strategy.trains):

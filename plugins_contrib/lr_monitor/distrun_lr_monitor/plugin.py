@@ -31,7 +31,7 @@ __all__ = ["LR_MONITOR", "LrMonitor", "group_names"]
 @hookimpl
 def distrun_register_options(register):
     opt = plugin_options(register, "lr_monitor")
-    opt("lr_monitor", bool, True,
+    opt("lr_monitor", bool, False,
         "log each param group's learning rate as lr-<group> with the training metrics")
     opt("lr_monitor_momentum", bool, False,
         "also log each group's momentum as momentum-<group> (SGD's momentum, Adam's beta1)")

@@ -49,7 +49,7 @@ def test_two_groups_onecycle_exact_rates_per_step(tmp_path):
     # last partial window at 16, and an lr row of its own at the end of epoch 0 (step 8)
     result = run_cli("run", "--name", "lr", "--nproc-per-node", "2", "--strategy", "ddp",
                      "--max-epochs", "2", "--batch-size", "32", "--log-every-n-steps", "3",
-                     "--lr-monitor-momentum", "--no-summary", "-p", "no:progress", TASK,
+                     "--lr-monitor", "--lr-monitor-momentum", "--no-summary", "-p", "no:progress", TASK,
                      cwd=tmp_path)
     assert result.returncode == 0, result
     with open(tmp_path / "runs" / "lr" / "metrics.csv", newline="") as fh:

@@ -1,0 +1,112 @@
+"""Entry point of distrun-mlflow: an MLflow run per distrun run, written on rank 0.
+
+Importing this module imports neither torch nor mlflow: rank 0 imports mlflow in a background
+thread once the strategy is set up (or at the first metrics of a validate/test stage), and
+the other ranks never do. The thread writes everything queued since its last write in one
+``log_batch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun import StashKey, hookimpl, plugin_options
+
+#: the run's writer on rank 0 once opened; False where this plugin stays out of the run
+_KEY: StashKey[Any] = StashKey("mlflow")
+
+
+def _tags(value: str) -> str:
+    """Check ``KEY=VALUE,KEY=VALUE`` (the launcher rejects a bad value with exit 2)."""
+    from distrun_mlflow.settings import parse_tags
+
+    parse_tags(value)
+    return value.strip()
+
+
+def _uri(value: str) -> str:
+    from distrun_mlflow.settings import check_tracking_uri
+
+    return check_tracking_uri(value)
+
+
+@hookimpl
+def distrun_register_options(register):
+    opt = plugin_options(register, "mlflow")
+    opt("mlflow", bool, False, "log params, metrics, the loss plot and the status to MLflow "
+                               "on rank 0")
+    opt("mlflow_tracking_uri", str, "",
+        "where to log: a local store such as sqlite:///mlflow.db, or a server "
+        "(default: $MLFLOW_TRACKING_URI, else the file store RUN_DIR/mlruns)", parse=_uri,
+        metavar="URI")
+    opt("mlflow_experiment", str, "", "experiment name (default: the run name)")
+    opt("mlflow_run_name", str, "", "MLflow run name (default: the run name)")
+    opt("mlflow_tags", str, "", "tags of the MLflow run, e.g. team=nlp,owner=ana", parse=_tags,
+        metavar="KEY=VALUE,...")
+    opt("mlflow_log_plot", bool, True, "log the loss/lr/throughput plot of metrics.csv as "
+                                       "metrics.png at the end (needs matplotlib)")
+
+
+def _writer(run: Any) -> Any:
+    """The run's writer, started on first use on rank 0; None where this plugin is out."""
+    writer = run.stash.get(_KEY)
+    if writer is None:
+        writer = False
+        if run.is_global_zero and run.config.get("mlflow", True) \
+                and getattr(run, "stage", "fit") != "predict":
+            from distrun_mlflow.writer import MlflowWriter, settings_of
+
+            writer = MlflowWriter(settings_of(run))
+        run.stash[_KEY] = writer
+    return writer or None
+
+
+@hookimpl
+def distrun_setup_strategy(run):
+    # The store opens in the background while the model, optimizer and data are built.
+    if getattr(run.strategy, "trains", True):
+        _writer(run)
+
+
+@hookimpl
+def distrun_on_fit_start(run):
+    writer = _writer(run)
+    if writer:
+        writer.wait_open()  # the run exists in the store before the first step
+        if run.resumed_from:
+            writer.set_tags({"distrun.resumed_from": str(run.resumed_from)})
+
+
+@hookimpl
+def distrun_log_metrics(run, step, metrics):
+    writer = run.stash.get(_KEY)
+    if writer is None:  # validate/test stages have no fit start: open at the first row
+        writer = _writer(run)
+    if writer:
+        writer.log(step, metrics)
+
+
+# The failure hooks write the status at once: the stop handlers are still installed then, and
+# a rank whose peer failed is stopped by its launcher within seconds.
+@hookimpl
+def distrun_on_preempt(run):
+    writer = run.stash.get(_KEY)
+    if writer:
+        writer.end("KILLED")
+
+
+@hookimpl
+def distrun_on_exception(run, exc):
+    writer = run.stash.get(_KEY)
+    if writer:
+        writer.failed = True
+        writer.end("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+
+
+@hookimpl
+def distrun_teardown(run):
+    writer = run.stash.pop(_KEY, None)
+    if writer:
+        from distrun_mlflow.writer import close_run
+
+        close_run(run, writer)
