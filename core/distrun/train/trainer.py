@@ -186,6 +186,8 @@ class Trainer:
             _exit_on_error(exc, debug=config.debug)
         except BaseException as exc:
             pm.hook.distrun_on_exception(run=run, exc=exc)
+            if _is_network_error(exc):
+                _exit_on_error(DistrunError(_network_message(run, exc)), debug=config.debug)
             if _is_collective_timeout(exc, run):
                 _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
             if _is_lost_peer(exc, run):
@@ -278,6 +280,23 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> None:
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
 
 
+def _is_network_error(exc: BaseException) -> bool:
+    """torch could not reach a peer or the rendezvous store (not a timeout: refused, reset,
+    address in use)."""
+    dist = sys.modules.get("torch.distributed")
+    kind = getattr(dist, "DistNetworkError", None)
+    return kind is not None and isinstance(exc, kind)
+
+
+def _network_message(run: Run, exc: BaseException) -> str:
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()),
+                 type(exc).__name__)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (f"rank {run.rank}: a network error with the other ranks or the store at {where} "
+            f"(step {run.progress.step}): {first[:200]}; if another rank failed, its error "
+            "is above; --debug shows this rank's traceback")
+
+
 def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
     """A collective that waited out ``--timeout``: told by type and origin, never by text.
 
@@ -286,8 +305,10 @@ def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
     """
     if run.world_size < 2:
         return False
-    if isinstance(exc, (TimeoutError, _dist_error())):
+    if isinstance(exc, TimeoutError):
         return True
+    if isinstance(exc, _dist_error()):  # a store wait or a collective past --timeout
+        return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
     if not isinstance(exc, RuntimeError) or not _raised_in(exc, _COLLECTIVE_MODULES):
         return False
     return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9

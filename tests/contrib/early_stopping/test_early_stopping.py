@@ -152,7 +152,9 @@ def test_uneven_inputs_under_join_stop_without_a_hang(tmp_path):
         "Early stopping at step 16: val_loss did not improve in 1 check (best val_loss"), result
     first, second = ends(tmp_path / "runs" / "join")
     assert first == second and first["stopped_at"] == 16
-    assert 16 < first["step"] < 80
+    # asked at the epoch-end validation of step 16: the core agrees on it before another
+    # epoch starts, so every rank ends at that step
+    assert first["step"] == 16
 
 
 @pytest.mark.slow
