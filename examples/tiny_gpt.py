@@ -5,6 +5,8 @@
     distrun run --nproc-per-node 2 --strategy fsdp examples/tiny_gpt.py
     distrun run --nproc-per-node 2 --strategy tp   examples/tiny_gpt.py
     distrun run --nproc-per-node 4 --strategy fsdp --tp-size 2 examples/tiny_gpt.py   # 2D
+    TINY_GPT_LAYERS=8 distrun run --nproc-per-node 2 --strategy pp examples/tiny_gpt.py
+    TINY_GPT_LAYERS=8 distrun run --nproc-per-node 4 --strategy pp+fsdp --pp 2 examples/tiny_gpt.py
 
 The text is the source of a few standard-library modules (read with ``inspect``), cut into
 windows of ``BLOCK`` characters; the model learns to predict the next character. The network
@@ -14,6 +16,10 @@ two Linears per block (the tp plugin's automatic plan splits both), reshapes wit
 ln(vocab) ~ 4.5 and drops below 2.5 within a few minutes on a CPU.
 
 Environment knobs (for quick tests): ``TINY_GPT_DIM``, ``TINY_GPT_LAYERS``, ``TINY_GPT_CHARS``.
+Pipeline parallelism cuts the ``blocks`` ModuleList into stages (embeddings with the first,
+``ln_f`` and ``head`` with the last), so give it as many blocks as stages or more
+(``benchmarks/pipeline.py`` uses 8); the forward only reads the input's shape before the first
+block, as the pp strategies need.
 """
 
 from __future__ import annotations

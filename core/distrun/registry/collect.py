@@ -19,7 +19,8 @@ __all__ = ["FIRST_PARTY", "apply_cluster_env", "choose_strategy", "collect_optio
 #: first-party names a user may ask for before installing them: name -> distribution
 FIRST_PARTY = {
     "ddp": "distrun-ddp", "dp": "distrun-dp", "fsdp": "distrun-fsdp", "tp": "distrun-tp",
-    "rpc": "distrun-rpc",
+    "rpc": "distrun-rpc", "pp": "distrun-pipeline", "pp+ddp": "distrun-pipeline",
+    "pp+fsdp": "distrun-pipeline",
 }
 
 

@@ -1,0 +1,3 @@
+"""distrun-pipeline: pipeline parallelism (``pp``, ``pp+ddp``, ``pp+fsdp``) on torch.distributed.pipelining."""
+
+__all__: list[str] = []

@@ -1,0 +1,191 @@
+"""The pipeline strategies: ``pp`` (every rank a stage), ``pp+ddp`` and ``pp+fsdp``.
+
+The mesh is ``pp x dp`` (:class:`~distrun.config.parallel_dims.ParallelDims` with a ``pp``
+degree). Ranks of one data-parallel replica (one rank per stage) see the same
+batch: the first stage reads its inputs, the last its targets. ``wrap_model`` cuts the model
+(:mod:`distrun_pipeline.split`), wraps each stage module for data parallelism, builds the
+torch ``PipelineStage`` objects and schedule, and returns the *rank view*: the model's own
+module tree in which the modules of other ranks' stages hold placeholders (see
+:mod:`distrun_pipeline.state`), so ``state_dict`` names are the global ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from distrun import UsageError
+from distrun.config.parallel_dims import ParallelDims
+from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
+from distrun.strategies.base import BaseStrategy
+from distrun.strategies.mesh import build_mesh
+from distrun_pipeline import schedules, split, state
+from distrun_pipeline.pipe import Pipeline, PipelineHooks
+
+if TYPE_CHECKING:
+    from distrun.spec.strategy import SetupView
+
+__all__ = ["PipelineDDPStrategy", "PipelineFSDPStrategy", "PipelineStrategy"]
+
+
+class PipelineStrategy(BaseStrategy):
+    """Pipeline stages over ranks; ``dp_mode`` says how the other mesh dimension replicates."""
+
+    name = "pp"
+    dp_mode = "none"
+
+    def setup(self, run: SetupView) -> None:
+        super().setup(run)
+        cfg = self.config
+        pp = int(cfg.get("pp", 0) or 0)
+        if self.dp_mode == "none":
+            pp = pp or self.world_size
+            if pp != self.world_size:
+                raise UsageError(
+                    f"--strategy pp makes every one of the {self.world_size} ranks a stage but "
+                    f"--pp is {pp} (use --pp {self.world_size}, or --strategy pp+ddp / pp+fsdp "
+                    f"--pp {pp} for data parallel over the other ranks)")
+        elif pp == 0:
+            raise UsageError(f"--strategy {self.name} needs the number of pipeline stages: "
+                             f"--pp N (N divides the world size {self.world_size})")
+        if pp < 2:
+            raise UsageError(f"pipeline parallel needs at least 2 ranks as stages, got --pp "
+                             f"{pp} on {self.world_size} ranks (launch with "
+                             "--nproc-per-node 2 or more)")
+        precision = str(cfg.get("precision", "32-true"))
+        if precision.startswith("16") or precision.startswith("fp16"):
+            raise UsageError(f"--precision {precision} scales the loss for backward with a "
+                             "GradScaler, which the pipeline schedule's own backward does not "
+                             "do; use --precision bf16-mixed (or 32-true) with pipeline parallel")
+        for flag, on in (("--tp-size", int(cfg.get("tp_size", 0) or 0) > 1),
+                         ("--compile", bool(cfg.get("compile", False))),
+                         ("--zero", bool(cfg.get("zero", False)))):
+            if on:
+                raise UsageError(f"{flag} does not compose with --strategy {self.name} (see the "
+                                 "composition table in docs/strategies.md); drop it, or use "
+                                 "pp+fsdp to shard each stage")
+        self.dims = ParallelDims.from_world(self.world_size, pp=pp)
+        self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, cfg.timeout)
+        coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or (),
+                         strict=False))
+        self.pp_rank, self.pp_size = coord["pp"], pp
+        self.dp_rank, self.dp_world_size = coord["dp"], self.dims.dp
+        self.pp_group = self.mesh["pp"].get_group()
+        self.dp_mesh = self.mesh["dp"]
+        name = cfg.get("pp_schedule", "1f1b")
+        self.schedule_name = name
+        self.v = schedules.virtual_stages(name, int(cfg.get("pp_virtual_stages", 2)))
+        self.stages = pp * self.v
+        self.microbatches = int(cfg.get("microbatches", 0) or 0) or 2 * self.stages
+        local = cfg.batch_size // self.dp_world_size if cfg.batch_size % self.dp_world_size == 0 \
+            else 0
+        if local and local % self.microbatches:
+            raise UsageError(
+                f"--microbatches {self.microbatches} does not divide the per-rank batch {local} "
+                f"(--batch-size {cfg.batch_size} over {self.dp_world_size} data-parallel "
+                f"ranks); use a number of micro-batches that divides {local}")
+        self.local_batch = local
+        self.task = run.task
+        self.log = run.log
+        run.stash[DEVICE_MESH] = self.mesh
+        run.stash[PARALLEL_DIMS] = self.dims
+        run.log.info("pp: %s, schedule %s, %d stages, %d micro-batches", self.dims, name,
+                     self.stages, self.microbatches)
+        self.pipeline: Pipeline | None = None
+        self.pipeline_hooks = PipelineHooks(self)
+
+    # -- the model -----------------------------------------------------------------------
+    def _stage_mesh(self, pp_rank: int) -> DeviceMesh:
+        """The data-parallel ranks of pipeline rank ``pp_rank`` as a 1-D mesh (no groups)."""
+        if pp_rank == self.pp_rank:
+            return self.dp_mesh
+        ranks = self.mesh.mesh[pp_rank].flatten()
+        return DeviceMesh(self.device.type, ranks, mesh_dim_names=("dp",), _init_backend=False)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        points = getattr(self.task, "pipeline_split_points", None)
+        if callable(points):
+            points = points(model)
+        chain = split.find_chain(model, points)
+        ranges = split.plan(model, chain, self.stages, points)
+        where = schedules.placement(self.pp_size, self.v)
+        if self.rank == 0:
+            self.log.info("pp split (%s):\n%s", "declared" if points else "by parameters",
+                          split.split_table(model, chain, ranges, where))
+        mine = [s for s in range(self.stages) if where[s] == self.pp_rank]
+        trees = [split.stage_tree(model, chain, *ranges[s]) for s in mine]
+        owned = {n for s in mine for n in chain.order[slice(*ranges[s])]}
+        meshes = {r: self._stage_mesh(r) for r in range(self.pp_size)}
+        owner = {n: where[s] for s, (lo, hi) in enumerate(ranges) for n in chain.order[lo:hi]}
+        state.place_holders(model, {n: meshes[owner[n]] for n in chain.order if n not in owned})
+        for name in owned:  # only what this rank runs goes to its device
+            model.get_submodule(name).to(self.device)
+        modules = [self._wrap_stage(m, chain) for m in trees]
+        state.shared_state_dict(model, self.dp_mesh)
+        self.pipeline = Pipeline(self, modules, mine)
+        return model
+
+    def _wrap_stage(self, module: split.StageModule, chain: split.Chain) -> nn.Module:
+        if self.dp_mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for name in module.names:
+                if name in chain.blocks:
+                    fully_shard(module.tree.get_submodule(name), mesh=self.dp_mesh,
+                                reshard_after_forward=True)
+            fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=True)  # in place
+            return module
+        if self.dp_mode == "ddp" and self.dims.dp > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(module, process_group=self.dp_mesh.get_group())
+        return module
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        state.shared_optimizer_state(optimizer, self.dp_mesh)
+        return optimizer
+
+    # -- per step ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Nothing: the schedule ran the backward passes inside the training step."""
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm over every stage (and FSDP shard)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        plain = torch.zeros((), device=self.device, dtype=torch.float32)
+        sharded = torch.zeros((), device=self.device, dtype=torch.float32)
+        for g in grads:
+            if isinstance(g, DTensor):
+                sharded += g.to_local().detach().float().pow(2).sum()
+            else:
+                plain += g.detach().float().pow(2).sum()
+        if self.dims.dp > 1 and self.dp_mode == "fsdp":
+            dist.all_reduce(sharded, group=self.dp_mesh.get_group())
+        total = plain + sharded
+        dist.all_reduce(total, group=self.pp_group)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        return norm
+
+
+class PipelineDDPStrategy(PipelineStrategy):
+    """``pp+ddp``: each stage replicated with DDP over its data-parallel ranks."""
+
+    name = "pp+ddp"
+    dp_mode = "ddp"
+
+
+class PipelineFSDPStrategy(PipelineStrategy):
+    """``pp+fsdp``: each stage sharded with FSDP2 ``fully_shard`` over its data-parallel ranks."""
+
+    name = "pp+fsdp"
+    dp_mode = "fsdp"
+
+

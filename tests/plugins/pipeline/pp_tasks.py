@@ -1,0 +1,231 @@
+"""Tasks and rank functions of the pipeline tests: the example's tiny GPT and a Sequential."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import distrun
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_gpt.py"
+PLUGINS = "distrun_pipeline.plugin"
+
+
+def load_tiny_gpt() -> Any:
+    """The examples/tiny_gpt.py module (imported by path, as `distrun run` would)."""
+    spec = importlib.util.spec_from_file_location("tiny_gpt_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+class SeqTask(distrun.Task):
+    """An ``nn.Sequential`` regression (split without any declaration)."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(384, 8, generator=gen)
+        self.data = torch.utils.data.TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
+
+    def configure_model(self) -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(8, 32)]
+        for _ in range(6):
+            layers += [nn.Tanh(), nn.Linear(32, 32)]
+        return nn.Sequential(*layers, nn.Tanh(), nn.Linear(32, 1))
+
+    def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    def train_data(self) -> Any:
+        return self.data
+
+    def val_data(self) -> Any:
+        return torch.utils.data.Subset(self.data, range(40))
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+    def validation_step(self, model: nn.Module, batch: Any) -> Any:
+        x, y = batch
+        return {"loss": nn.functional.mse_loss(model(x), y)}
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class NoSplitTask(SeqTask):
+    def configure_model(self) -> nn.Module:
+        return Flat()
+
+
+class Batches:
+    """A plain iterable of ready batches (not a dataset: the loop uses it as it is)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+
+class UnevenTask(SeqTask):
+    """Its own per-rank batches (no sampler): data-parallel rank 0 has 6, rank 1 has 4. Under a
+    pp x dp mesh with dp 2, rank r is data-parallel rank r % 2 (stages are the outer dimension),
+    so both stages of one pipeline read the same batches."""
+
+    def train_data(self) -> Any:
+        x, y = self.data.tensors
+        dp_rank = int(os.environ.get("RANK", "0")) % 2
+        return Batches([(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
+                        for i in range(6 - 2 * dp_rank)])
+
+    def val_data(self) -> Any:
+        return None
+
+
+def make_task(name: str) -> Any:
+    """``seq``, ``nosplit`` or ``gpt``: the example's tiny GPT (4 blocks, small, SGD).
+
+    SGD for weight parity: Adam divides by the gradient's magnitude, so a gradient that is zero
+    up to rounding (an unused embedding row) turns a 1e-9 difference into a full step.
+    """
+    if name == "seq":
+        return SeqTask()
+    if name == "nosplit":
+        return NoSplitTask()
+    if name == "uneven":
+        return UnevenTask()
+    os.environ.setdefault("TINY_GPT_CHARS", "6000")
+    os.environ.setdefault("TINY_GPT_DIM", "32")
+    os.environ.setdefault("TINY_GPT_LAYERS", "4")
+    module = load_tiny_gpt()
+    if name == "gpt-adam":
+        return module.TinyGPTTask()
+
+    class SGDTinyGPT(module.TinyGPTTask):
+        def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+            return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+    return SGDTinyGPT()
+
+
+def owned_state(model: nn.Module) -> dict[str, list[Any]]:
+    """The tensors this rank holds, by global name, as nested lists (placeholders left out)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            if value.device_mesh.get_coordinate() is None:
+                continue  # another stage's
+            if all(isinstance(p, Replicate) for p in value.placements):
+                value = value.to_local()
+            else:
+                value = value.full_tensor()  # FSDP shards: a collective of the dp group
+        out[key] = value.detach().double().tolist()
+    return out
+
+
+class Recorder:
+    """The reduced loss of every logged step, validation metrics and the final weights."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val: list[float] = []
+        self.final: dict[str, Any] = {}
+
+    @distrun.hookimpl
+    def distrun_log_metrics(self, run: Any, step: int, metrics: Any) -> None:
+        if "loss" in metrics:
+            self.losses.append(metrics["loss"])
+        if "val_loss" in metrics:
+            self.val.append(metrics["val_loss"])
+
+    @distrun.hookimpl
+    def distrun_on_fit_end(self, run: Any) -> None:
+        self.final = owned_state(run.unwrapped_model())
+
+    @distrun.hookimpl
+    def distrun_on_validation_end(self, run: Any, step: int, metrics: Any) -> None:
+        if getattr(run, "stage", "fit") != "fit":  # an evaluation session: what it loaded
+            self.final = owned_state(run.unwrapped_model())
+
+
+class Killer:
+    """Ends the process abruptly after optimizer step ``at`` (a crash, not a stop)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    @distrun.hookimpl
+    def distrun_on_step_end(self, run: Any, step: int, metrics: Any) -> None:
+        if step == self.at:
+            os._exit(17)
+
+
+def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Train ``task`` with ``options`` on this rank; losses, owned weights, data view."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.pop("DISTRUN_CONFIG", None)
+    if "port" in options:
+        os.environ["MASTER_PORT"] = str(options.pop("port"))
+    os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", PLUGINS)
+    from distrun.registry import manager as plugins
+
+    plugins.set_plugin_manager(plugins.make_plugin_manager())
+    rec = Recorder()
+    extra: tuple[Any, ...] = (Killer(options.pop("kill_at")),) if "kill_at" in options else ()
+    opts = dict(max_steps=20, max_epochs=5, batch_size=16, log_every_n_steps=1, summary=False,
+                timeout=120.0)
+    opts.update(options)
+    run = distrun.Trainer(plugins=(rec, *extra), **opts).fit(make_task(task))
+    return {"losses": rec.losses, "val": rec.val, "state": rec.final,
+            "dp": (run.strategy.dp_rank, run.strategy.dp_world_size)}
+
+
+def train_many(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]]
+               ) -> list[dict[str, Any]]:
+    """Several (task, options) fits in this process (a fresh torch costs more than a fit)."""
+    return [train(rank, world, task, dict(options)) for task, options in runs]
+
+
+def reference(task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The same training in this process with the core's single strategy (env restored)."""
+    from distrun.registry import manager as plugins
+
+    saved, previous = dict(os.environ), plugins._pm
+    try:
+        return train(0, 1, task, {"plugins": "", **options, "strategy": "single"})
+    finally:
+        plugins.set_plugin_manager(previous)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def merged(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The weights of all ranks in one dict (each name must come out equal where repeated)."""
+    out: dict[str, Any] = {}
+    for result in per_rank:
+        out.update(result["state"])
+    return out
+
+
+def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
+    return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
