@@ -5,6 +5,7 @@ Importing this package does not import torch; the loop imports it when it runs.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from distrun._version import __version__
@@ -99,10 +100,8 @@ def _forget_last() -> None:
 
 
 # A forked process (the notebook launcher's ranks) has none of its parent's live sessions.
-import os as _os  # noqa: E402
-
-if hasattr(_os, "register_at_fork"):
-    _os.register_at_fork(after_in_child=_forget_last)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_last)
 
 
 def _trainer(task: Any, options: dict[str, Any]) -> Any:

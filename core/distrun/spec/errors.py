@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["DistrunError", "UsageError", "closest", "suggest"]
+__all__ = ["DistrunError", "UsageError", "closest", "first_line", "suggest"]
 
 
 class DistrunError(Exception):
@@ -18,6 +18,13 @@ class UsageError(DistrunError):
     """The user asked for something wrong (a flag, a file, a name): exit code 2."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first non-blank line of ``exc``'s message (its type name when it has none), for
+    one-line reports of errors that carry tracebacks or C++ frames in their text."""
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return line[:limit]
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:

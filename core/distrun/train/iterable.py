@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from distrun.spec.errors import UsageError
+from distrun.train.sampler import local_batch_size
 
 __all__ = ["ShardedStream", "StreamCursor", "stream_loader"]
 
@@ -93,14 +94,12 @@ def stream_loader(data: Any, batch_size: int, dp_rank: int, dp_world: int,
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:  # pragma: no cover - a dependency of distrun
         raise UsageError("an IterableDataset needs torchdata: pip install torchdata") from None
-    if batch_size % dp_world:
-        raise UsageError(f"batch_size {batch_size} is not divisible by {dp_world} data-parallel "
-                         f"ranks (batch_size is the global batch; use a multiple of {dp_world})")
+    local = local_batch_size(batch_size, dp_world)
     common.pop("generator", None)  # a stream has no sampler to seed
     if common.get("num_workers", 0) == 0:
         common.pop("persistent_workers", None)
     return StatefulDataLoader(ShardedStream(data, dp_rank, dp_world),
-                              batch_size=batch_size // dp_world, drop_last=True, **common)
+                              batch_size=local, drop_last=True, **common)
 
 
 class StreamCursor:

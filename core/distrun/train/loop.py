@@ -19,7 +19,7 @@ from distrun.train.iterable import StreamCursor, stream_loader
 from distrun.train.metrics import Accumulator, LogTarget, logging_to
 from distrun.train.rng import seed_everything
 from distrun.train.run import Run
-from distrun.train.sampler import ResumableSampler
+from distrun.train.sampler import ResumableSampler, is_map_dataset
 from distrun.train.schedulers import normalize_schedulers, step_schedulers
 from distrun.train.stages import eval_loader
 from distrun.train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
@@ -85,12 +85,6 @@ def build_optimizer(run: Run) -> None:
     run.optimizer = run.strategy.wrap_optimizer(run.optimizer)
 
 
-def _is_map_dataset(data: Any) -> bool:
-    return hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(
-        data, torch.utils.data.DataLoader
-    )
-
-
 def build_loaders(run: Run) -> None:
     cfg, st = run.config, run.strategy
     collate = getattr(run.task, "collate_fn", None)
@@ -109,7 +103,7 @@ def build_loaders(run: Run) -> None:
     elif isinstance(data, torch.utils.data.IterableDataset):
         run.train_loader = stream_loader(data, cfg.batch_size, st.dp_rank, st.dp_world_size,
                                          **common)
-    elif _is_map_dataset(data):
+    elif is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
                                        seed=cfg.seed)
         run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
@@ -198,9 +192,7 @@ def fit_loop(run: Run) -> Any:
     run.progress.step_started = time.monotonic()
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
-    stream: Any = getattr(run.train_loader, "dataset", None)
-    if run.stash.get(STREAM) is not None and hasattr(stream, "set_epoch"):
-        stream.set_epoch(run.progress.epoch)
+    _set_stream_epoch(run)
     while run.progress.epoch < cfg.max_epochs and not run.done:
         run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
         _await_ranks(run, run.progress.epoch)
@@ -233,11 +225,14 @@ def _next_stream_epoch(run: Run) -> None:
     """A stream starts the next epoch from its beginning (a checkpoint now must not hold the
     finished epoch's end), reshuffled when it can be."""
     cursor = run.stash.get(STREAM)
-    if cursor is None:
-        return
-    cursor.state = None
+    if cursor is not None:
+        cursor.state = None
+        _set_stream_epoch(run)
+
+
+def _set_stream_epoch(run: Run) -> None:
     stream: Any = getattr(run.train_loader, "dataset", None)
-    if hasattr(stream, "set_epoch"):
+    if run.stash.get(STREAM) is not None and hasattr(stream, "set_epoch"):
         stream.set_epoch(run.progress.epoch)
 
 
@@ -245,11 +240,7 @@ def _log_epoch_values(run: Run) -> None:
     """Reduce what the steps logged ``on_epoch`` this epoch and log it (every rank is at the
     epoch's end here, joined ones included)."""
     acc = run.stash[_EPOCH_LOGGED]
-    if not acc:
-        return
-    packed = acc.pack(run.strategy.device)
-    run.strategy.all_reduce(packed, "sum")
-    metrics = acc.unpack(packed)
+    metrics = acc.reduce(run.strategy) if acc else {}
     if metrics:
         metrics["epoch"] = float(run.progress.epoch)
         run.metrics.update(metrics)
@@ -369,8 +360,8 @@ def epoch_loop(run: Run, epoch: int) -> int:
             ctx = st.no_sync(model) if not boundary else _NULL
             with ctx:
                 loss = training_step(run=run, batch=batch)
-                if isinstance(loss, Mapping):  # {"loss": ..., other values to log}
-                    loss = _loss_of(run, loss, target)
+                if not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping):
+                    loss = _loss_of(run, loss, target)  # {"loss": ..., values to log}
                 _check_loss(run, loss, epoch)
                 backward(run=run, loss=loss / accum if accum > 1 else loss)
             if run.sampler is not None:

@@ -41,18 +41,18 @@ class Accumulator:
     """
 
     def __init__(self) -> None:
-        self.reduce: dict[str, str] = {}  # name -> "mean" | "sum", in order of first use
+        self.reductions: dict[str, str] = {}  # name -> "mean" | "sum", in order of first use
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, float] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.reduce)
+        return bool(self.reductions)
 
     def add(self, name: str, value: Any, weight: float = 1.0, reduce: str = "mean") -> None:
         if not isinstance(name, str) or not name:
             raise UsageError(f"log(name, value): the name must be a non-empty string, not "
                              f"{name!r}")
-        known = self.reduce.setdefault(name, reduce)
+        known = self.reductions.setdefault(name, reduce)
         if known != reduce:
             raise UsageError(f"log({name!r}, ..., reduce={reduce!r}): this name was logged "
                              f"with reduce={known!r} before; use one reduction per name")
@@ -67,7 +67,7 @@ class Accumulator:
     def pack(self, device: torch.device) -> torch.Tensor:
         """``[sum, weight]`` per known name as float64 on ``device``, and start afresh."""
         parts: list[torch.Tensor] = []
-        for name in self.reduce:
+        for name in self.reductions:
             total = self._sums.get(name)
             parts.append(total.reshape(1).to(device) if total is not None
                          else torch.zeros(1, dtype=torch.float64, device=device))
@@ -78,17 +78,24 @@ class Accumulator:
             return torch.zeros(0, dtype=torch.float64, device=device)
         return torch.cat(parts)
 
-    def unpack(self, summed: Any, prefix: str = "", suffix: str = "") -> dict[str, float]:
+    def reduce(self, strategy: Any, prefix: str = "") -> dict[str, float]:
+        """Pack, sum over the ranks (one all-reduce through ``strategy``) and unpack: the
+        values since the last pack, the same on every rank. Every rank must call it."""
+        packed = self.pack(strategy.device)
+        strategy.all_reduce(packed, "sum")
+        return self.unpack(packed, prefix=prefix)
+
+    def unpack(self, summed: Any, prefix: str = "") -> dict[str, float]:
         """The values of a packed (and summed over ranks) tensor, by name; names nobody logged
         since the last pack are left out."""
         values = summed.tolist() if isinstance(summed, torch.Tensor) else list(summed)
         out: dict[str, float] = {}
-        for i, (name, reduce) in enumerate(self.reduce.items()):
+        for i, (name, reduce) in enumerate(self.reductions.items()):
             total, weight = values[2 * i], values[2 * i + 1]
             if weight == 0:
                 continue
             key = name if not prefix or name.startswith(prefix) else prefix + name
-            out[key + suffix] = total if reduce == "sum" else total / weight
+            out[key] = total if reduce == "sum" else total / weight
         return out
 
 

@@ -18,7 +18,24 @@ import torch
 
 from distrun.spec.errors import UsageError
 
-__all__ = ["ResumableSampler", "ShardedEvalSampler", "epoch_permutation"]
+__all__ = ["ResumableSampler", "ShardedEvalSampler", "epoch_permutation", "is_map_dataset",
+           "local_batch_size"]
+
+
+def is_map_dataset(data: Any) -> bool:
+    """A dataset with a length and an index (sharded by sampler), not a loader or a stream."""
+    return hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(
+        data, torch.utils.data.DataLoader)
+
+
+def local_batch_size(batch_size: int, dp_world: int) -> int:
+    """Each data-parallel rank's share of the global ``batch_size`` (which must divide)."""
+    if batch_size % dp_world:
+        raise UsageError(
+            f"batch_size {batch_size} is not divisible by {dp_world} data-parallel ranks "
+            f"(batch_size is the global batch; use a multiple of {dp_world})"
+        )
+    return batch_size // dp_world
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -37,11 +54,7 @@ class ResumableSampler:
 
     def __init__(self, dataset_len: int, batch_size: int, dp_rank: int, dp_world: int,
                  seed: int = 0, shuffle: bool = True) -> None:
-        if batch_size % dp_world:
-            raise UsageError(
-                f"batch_size {batch_size} is not divisible by {dp_world} data-parallel ranks "
-                f"(batch_size is the global batch; use a multiple of {dp_world})"
-            )
+        self.local_batch = local_batch_size(batch_size, dp_world)
         if dataset_len < batch_size:
             raise UsageError(
                 f"the training data has {dataset_len} samples, fewer than one global batch of "
@@ -49,7 +62,6 @@ class ResumableSampler:
             )
         self.n = dataset_len
         self.batch_size = batch_size
-        self.local_batch = batch_size // dp_world
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.seed = seed

@@ -23,7 +23,7 @@ import torch
 from distrun.spec.errors import UsageError
 from distrun.train.metrics import Accumulator, LogTarget, logging_to
 from distrun.train.run import Run
-from distrun.train.sampler import ShardedEvalSampler
+from distrun.train.sampler import ShardedEvalSampler, is_map_dataset
 from distrun.train.tensors import batch_len, to_cpu, to_device
 
 __all__ = ["evaluate", "eval_loader", "predict"]
@@ -32,16 +32,11 @@ _EVAL = {"validate": ("val_data", "validation_step", "val_"),
          "test": ("test_data", "test_step", "test_")}
 
 
-def _is_map_dataset(data: Any) -> bool:
-    return hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(
-        data, torch.utils.data.DataLoader)
-
-
 def eval_loader(run: Run, data: Any) -> Any:
     """A loader over ``data`` for evaluation: a map-style dataset is sharded by the eval
     sampler (one global ``batch_size`` per step, as in training); anything else is used as is
     on every rank (your own sharding)."""
-    if data is None or not _is_map_dataset(data):
+    if data is None or not is_map_dataset(data):
         return data
     cfg, st = run.config, run.strategy
     local = max(1, cfg.batch_size // st.dp_world_size)
@@ -107,11 +102,7 @@ def evaluate(run: Run, stage: str = "validate") -> dict[str, float]:
                 continue
             target.add_many(out if isinstance(out, Mapping) else {"loss": out})
     model.train(was_training)
-    if not acc:
-        return {}
-    packed = acc.pack(st.device)
-    st.all_reduce(packed, "sum")
-    return acc.unpack(packed, prefix=prefix)
+    return acc.reduce(st, prefix=prefix) if acc else {}
 
 
 def predict(run: Run) -> Any:

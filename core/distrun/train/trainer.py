@@ -14,7 +14,7 @@ from typing import Any, cast
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun.registry.collect import collect_options
 from distrun.registry.manager import get_plugin_manager
-from distrun.spec.errors import DistrunError, UsageError
+from distrun.spec.errors import DistrunError, UsageError, first_line
 from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
 
@@ -289,11 +289,9 @@ def _is_network_error(exc: BaseException) -> bool:
 
 
 def _network_message(run: Run, exc: BaseException) -> str:
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()),
-                 type(exc).__name__)
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return (f"rank {run.rank}: a network error with the other ranks or the store at {where} "
-            f"(step {run.progress.step}): {first[:200]}; if another rank failed, its error "
+            f"(step {run.progress.step}): {first_line(exc)}; if another rank failed, its error "
             "is above; --debug shows this rank's traceback")
 
 
@@ -336,10 +334,9 @@ def _is_lost_peer(exc: BaseException, run: Run) -> bool:
 
 
 def _lost_peer_message(run: Run, exc: BaseException) -> str:
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
             f"another rank stopped (its error is above; --debug shows this rank's traceback): "
-            f"{first[:200]}")
+            f"{first_line(exc)}")
 
 
 def _dist_error() -> type[BaseException]:

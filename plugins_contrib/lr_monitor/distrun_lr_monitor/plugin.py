@@ -129,7 +129,7 @@ LR_MONITOR: StashKey[LrMonitor] = StashKey("lr_monitor")
 @hookimpl
 def distrun_on_fit_start(run):
     cfg = run.config
-    if not cfg.get("lr_monitor", True) or getattr(run, "stage", "fit") != "fit" \
+    if not cfg.get("lr_monitor", False) or getattr(run, "stage", "fit") != "fit" \
             or run.optimizer is None or not run.optimizer.param_groups:
         return
     monitor = run.stash[LR_MONITOR] = LrMonitor(run, cfg.get("lr_monitor_momentum", False))

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distrun.spec.errors import first_line
 from distrun_mlflow.settings import (
     MAX_KEY,
     MAX_METRICS_PER_BATCH,
@@ -286,8 +287,7 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc, 300)}"
 
 
 def render_plot(run: Any) -> str | None:

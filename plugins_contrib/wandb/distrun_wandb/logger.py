@@ -14,6 +14,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from distrun.spec.errors import first_line
+
 __all__ = ["RUN_FILE", "WandbLogger", "mode_of", "open_logger", "render_plot"]
 
 log = logging.getLogger("distrun")
@@ -177,5 +179,4 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc, 300)}"
