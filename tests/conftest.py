@@ -5,6 +5,10 @@ everything that needs no separate process (option parsing, usage errors, ``plugi
 ``strategies``, ``config show/init``, ``--help``, argument errors of ``plot`` and ``ckpt``).
 Launching, signals and exit codes of real runs keep using :func:`distrun.testing.run_cli`
 (a ``distrun`` subprocess).
+
+``cpu_backend`` is the backend matrix: a test (or a module fixture) that takes it runs once
+per CPU backend available here (``gloo``, and ``shm`` when distrun-shm is installed), and is
+marked ``backend``. ``--backends gloo,shm`` picks them (``tox -e backend-shm``).
 """
 
 from __future__ import annotations
@@ -87,3 +91,47 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
         yield invoke
     finally:
         manager.set_plugin_manager(previous)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--backends", default="available",
+                     help="CPU backends for the tests that take cpu_backend: 'available' "
+                          "(every installed one that can run here) or names (gloo,shm)")
+
+
+def _cpu_backends(option: str) -> list[object]:
+    from distrun.registry.collect import collect_backends
+    from distrun.registry.manager import make_plugin_manager
+
+    offered = {n: i for n, i in collect_backends(make_plugin_manager()).items()
+               if "cpu" in i.devices}
+    if option != "available":
+        names = [n.strip() for n in option.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(offered))
+        if unknown:
+            raise pytest.UsageError(f"--backends: {', '.join(unknown)} not installed "
+                                    f"(installed CPU backends: {', '.join(sorted(offered))})")
+    else:
+        names = sorted(offered, key=lambda n: (n != "gloo", n))
+    out: list[object] = []
+    for name in names:
+        reason = offered[name].unavailable()
+        if reason is None:
+            out.append(pytest.param(name, marks=pytest.mark.backend))
+        elif option != "available":  # asked for by name: say why it does not run
+            out.append(pytest.param(name, marks=[pytest.mark.backend, pytest.mark.skip(
+                reason=f"backend {name}: {reason}")]))
+    return out
+
+
+_BACKENDS: dict[str, list[object]] = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cpu_backend" in metafunc.fixturenames:
+        option = metafunc.config.getoption("--backends")
+        if option not in _BACKENDS:
+            _BACKENDS[option] = _cpu_backends(option)
+        # module scope: a module fixture that takes it runs once per backend
+        metafunc.parametrize("cpu_backend", _BACKENDS[option], scope="module")
+

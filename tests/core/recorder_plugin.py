@@ -40,6 +40,11 @@ def distrun_register_strategies(register):
     _record("distrun_register_strategies")
 
 
+@hookimpl
+def distrun_register_backends(register):
+    _record("distrun_register_backends")
+
+
 @hookimpl(tryfirst=True)
 def distrun_detect_cluster(environ):
     _record("distrun_detect_cluster")

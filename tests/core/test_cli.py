@@ -68,7 +68,8 @@ def test_env_report_for_bug_reports(cli):
     import torch
 
     assert f"- PyTorch version: {torch.__version__}" in out
-    assert "gloo=yes" in out
+    assert "- Backends (--backend NAME):" in out
+    assert any(line.split()[:2] == ["gloo", "available"] for line in out.splitlines())
     assert "- Plugins:" in out and "core" in out
 
 

@@ -8,9 +8,22 @@ import sys
 from typing import Any
 
 from distrun._version import __version__
+from distrun.registry.collect import collect_backends
 from distrun.registry.manager import plugin_infos
 
 __all__ = ["env_report"]
+
+
+def _backend_lines(pm: Any) -> list[str]:
+    """One line per offered backend: available here or why not, its devices and its plugin."""
+    backends = collect_backends(pm)
+    width = max((len(n) for n in backends), default=4)
+    out = []
+    for name, info in sorted(backends.items()):
+        reason = info.unavailable()
+        state = "available" if reason is None else f"unavailable: {reason}"
+        out.append(f"    {name:<{width}}  {state}  [{', '.join(info.devices)}; {info.plugin}]")
+    return out
 
 
 def env_report(pm: Any) -> str:
@@ -21,20 +34,14 @@ def env_report(pm: Any) -> str:
     ]
     try:
         import torch
-        import torch.distributed as dist
 
-        avail = dist.is_available()
-        backends = {
-            "gloo": avail and dist.is_gloo_available(),
-            "nccl": avail and dist.is_nccl_available(),
-            "mpi": avail and dist.is_mpi_available(),
-        }
         lines += [
             f"- PyTorch version: {torch.__version__}",
             f"- CUDA available: {torch.cuda.is_available()}"
             + (f" ({torch.version.cuda})" if torch.version.cuda else ""),
             f"- GPU count: {torch.cuda.device_count()}",
-            "- Backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()),
+            "- Backends (--backend NAME):",
+            *_backend_lines(pm),
         ]
     except ImportError:
         lines.append("- PyTorch version: not installed (pip install torch)")

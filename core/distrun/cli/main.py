@@ -23,7 +23,9 @@ from distrun.config.run_config import (
 )
 from distrun.registry.collect import (
     apply_cluster_env,
+    choose_backends,
     choose_strategy,
+    collect_backends,
     collect_options,
     collect_strategies,
 )
@@ -283,6 +285,9 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     if config.standalone and config.nnodes not in ("1", "1:1"):
         raise UsageError(f"--standalone runs on one node but --nnodes is {config.nnodes} "
                          "(drop one of them)")
+    nnodes = int(config.nnodes.partition(":")[2] or config.nnodes) \
+        if config.nnodes.replace(":", "").isdigit() else None
+    choose_backends(config, collect_backends(pm), nnodes)
     # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
     if config.strategy != "auto":
         world = None

@@ -98,6 +98,13 @@ def _stages(value: str) -> str:
     return ",".join(names)
 
 
+def _backend(value: str) -> str:
+    from distrun.spec.backends import parse_backend
+
+    parse_backend(value)  # the ValueError says what is wrong
+    return value.strip().lower() or "auto"
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -118,6 +125,10 @@ class RunConfig:
     log_every_n_steps: int = _opt(10, "reduce and log metrics every N steps", min=1)
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
     device: str = _opt("auto", "device type", choices=("auto", "cpu", "cuda"))
+    backend: str = _opt("auto", "communication backend: a name (gloo, nccl, mpi, or one a "
+                                "plugin offers: `distrun env` lists them) or a device map "
+                                "(cpu:gloo,cuda:nccl); 'auto': nccl on CUDA, gloo on CPU",
+                        parse=_backend, metavar="NAME|DEVICE:NAME,...")
     nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)

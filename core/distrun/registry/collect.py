@@ -9,12 +9,13 @@ from typing import Any
 import pluggy
 
 from distrun.config.run_config import RunConfig, core_options
+from distrun.spec.backends import BackendInfo, parse_backend
 from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
-__all__ = ["FIRST_PARTY", "apply_cluster_env", "choose_strategy", "collect_options",
-           "collect_strategies"]
+__all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "choose_backends",
+           "choose_strategy", "collect_backends", "collect_options", "collect_strategies"]
 
 #: first-party names a user may ask for before installing them: name -> distribution
 FIRST_PARTY = {
@@ -22,6 +23,9 @@ FIRST_PARTY = {
     "rpc": "distrun-rpc", "pp": "distrun-pipeline", "pp+ddp": "distrun-pipeline",
     "pp+fsdp": "distrun-pipeline",
 }
+
+#: first-party backends a user may ask for before installing them: name -> distribution
+FIRST_PARTY_BACKENDS = {"shm": "distrun-shm"}
 
 
 #: per manager: the plugins it had and the options they declared (asked once per plugin set)
@@ -60,6 +64,45 @@ def collect_options(pm: pluggy.PluginManager) -> list[Option]:
 def collect_strategies(pm: pluggy.PluginManager) -> dict[str, StrategyInfo]:
     out: dict[str, StrategyInfo] = {}
     pm.hook.distrun_register_strategies(register=_registrar(out, "strategy", "offered"))
+    return out
+
+
+def collect_backends(pm: pluggy.PluginManager) -> dict[str, BackendInfo]:
+    out: dict[str, BackendInfo] = {}
+    pm.hook.distrun_register_backends(register=_registrar(out, "backend", "offered"))
+    return out
+
+
+def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
+                    nnodes: int | None = None) -> dict[str, BackendInfo]:
+    """The backends ``--backend`` names, by device type (``"*"``: every device); torch-free.
+
+    Says in one line a name nobody offers (with the installed ones and what to install), a
+    device the backend does not serve, and a single-node backend asked for on several nodes.
+    Whether it can run on this machine is for the worker to check (``BackendInfo.unavailable``).
+    """
+    out: dict[str, BackendInfo] = {}
+    for device, name in parse_backend(config.backend).items():
+        info = backends.get(name)
+        if info is None:
+            installed = ", ".join(sorted(backends))
+            known = [*backends, *FIRST_PARTY_BACKENDS]
+            hint = "" if name in FIRST_PARTY_BACKENDS else suggest(name, known)
+            wanted = name if name in FIRST_PARTY_BACKENDS else closest(name, known)
+            install = (f" Install it with: pip install {FIRST_PARTY_BACKENDS[wanted]}"
+                       if wanted in FIRST_PARTY_BACKENDS else "")
+            hint = hint or "."
+            raise UsageError(f"unknown backend '{name}'{hint} Installed: {installed}.{install}")
+        if device != "*" and device not in info.devices:
+            raise UsageError(f"backend '{name}' serves {', '.join(info.devices)}, not {device} "
+                             f"(--backend {device}:NAME names the {device} backend)")
+        if info.single_node and nnodes is not None and nnodes > 1:
+            others = sorted(n for n, i in backends.items()
+                            if not i.single_node and set(i.devices) & set(info.devices))
+            raise UsageError(f"backend '{name}' reaches the ranks of one machine only, but "
+                             f"--nnodes is {nnodes} (use --backend "
+                             f"{others[0] if others else 'gloo'} for several nodes)")
+        out[device] = info
     return out
 
 

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS = {
     "core": "distrun.train.builtin",
     "launch": "distrun.launch.builtin",
     "single": "distrun.strategies.single",
+    "backends": "distrun.strategies.backends",
     "console": "distrun.loggers.console",
     "csv_logger": "distrun.loggers.csv_file",
     "runfolder": "distrun.launch.run_folder",

@@ -11,10 +11,12 @@ Conventions (as in pytest and pluggy):
   ``run.strategy``, ``run.model``, ``run.optimizer``, ``run.train_loader``, ``run.progress``,
   ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``.
 
-Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``
-(building the CLI), then ``detect_cluster``, then ``launch``. In each worker::
+Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
+``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch``. In each
+worker (``register_backends`` when the strategy makes its process group)::
 
-    register_options -> configure -> register_strategies -> setup_strategy -> setup_model
+    register_options -> configure -> register_strategies -> [register_backends]
+    -> setup_strategy -> setup_model
     -> setup_optimizer -> setup_data -> [load_checkpoint -> load_state_dict]
     -> on_fit_start -> run_fit(
          run_epoch( (training_step -> backward) x grad_accum -> optimizer_step
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     import torch
 
     from distrun.config.run_config import RunConfig
+    from distrun.spec.backends import BackendInfo
     from distrun.spec.cluster import ClusterEnv
     from distrun.spec.options import Option
     from distrun.spec.strategy import StrategyInfo
@@ -88,6 +91,19 @@ def distrun_register_strategies(register: Callable[[StrategyInfo], None]) -> Non
 
     :param register: call ``register(StrategyInfo(name, factory, ...))``; ``factory`` may
         import torch, it is called only in workers.
+    """
+
+
+@hookspec
+def distrun_register_backends(register: Callable[[BackendInfo], None]) -> None:
+    """Offer communication backends by name (``--backend NAME``, or ``cpu:NAME,cuda:OTHER``).
+
+    Called in the launcher (to validate and list names; nothing may import torch here), in
+    each worker (to check and load the chosen ones before the process group is made) and by
+    ``distrun env``. Any number of plugins; names must be unique. The core offers torch's own
+    ``gloo``, ``nccl`` and ``mpi`` through this hook too.
+
+    :param register: call ``register(BackendInfo(name, devices, check, load, ...))``.
     """
 
 

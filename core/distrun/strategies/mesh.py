@@ -8,6 +8,7 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrun.config.parallel_dims import ParallelDims
+from distrun.strategies.process_group import device_backend
 
 __all__ = ["build_mesh"]
 
@@ -30,20 +31,24 @@ def _timeout_override(names: tuple[str, ...], device_type: str,
                       timeout: float | None) -> dict[str, Any] | None:
     if timeout is None:
         return None
+    # the sub-groups use the default group's backend for this device (--backend)
+    backend = device_backend(device_type) or ("nccl" if device_type == "cuda" else "gloo")
     opts: Any
     try:
-        if device_type == "cpu":
+        if backend == "gloo":
             # gloo's options class is private in torch 2.x; without it sub-groups keep torch's
             # default timeout, so a torch that lacks it falls through to that
             from torch._C._distributed_c10d import ProcessGroupGloo
 
-            backend, opts = "gloo", ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        elif device_type == "cuda":
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        elif backend == "nccl":
             from torch._C._distributed_c10d import ProcessGroupNCCL
 
-            backend, opts = "nccl", ProcessGroupNCCL.Options()
-        else:
-            return None
+            opts = ProcessGroupNCCL.Options()
+        else:  # a plugin's backend: the generic options carry the timeout
+            from torch._C._distributed_c10d import Backend
+
+            opts = Backend.Options(backend)
         opts._timeout = datetime.timedelta(seconds=timeout)
     except (ImportError, AttributeError):
         return None

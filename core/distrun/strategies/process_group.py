@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 
 from distrun.config.run_config import RunConfig
+from distrun.registry.collect import choose_backends, collect_backends
+from distrun.spec.backends import BackendInfo
 from distrun.spec.errors import UsageError
 
-__all__ = ["env_topology", "init_process_group", "init_single_process_group", "select_device"]
+__all__ = ["device_backend", "env_topology", "init_process_group", "init_single_process_group",
+           "prepare_backend", "select_device"]
 
 log = logging.getLogger("distrun")
 
@@ -52,7 +55,7 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
             "--nproc-per-node N ...` (MASTER_ADDR is not set)"
         )
     if backend is None:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = prepare_backend(config, device.type)
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -66,6 +69,64 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
     if rank == 0:
         log.info("distributed_backend=%s: all %d processes registered", backend, world)
     return True
+
+
+def prepare_backend(config: RunConfig, device_type: str | None = None,
+                    pm: Any = None) -> str:
+    """The backend string for ``init_process_group``, its backends checked and loaded.
+
+    ``--backend auto`` keeps torch's default (nccl on CUDA, gloo on CPU). A named backend that
+    cannot run here, or that does not serve ``device_type``, is a one-line UsageError. A
+    plugin's backend also becomes torch's default for its devices, so a plain script's
+    ``init_process_group()`` (no backend named) uses it.
+    """
+    from distrun.registry.manager import get_plugin_manager
+
+    backends = collect_backends(pm if pm is not None else get_plugin_manager())
+    chosen = choose_backends(config, backends)
+    if not chosen:
+        return "nccl" if device_type == "cuda" else "gloo"
+    for info in chosen.values():
+        _make_available(info, backends)
+    if "*" in chosen:
+        info = chosen["*"]
+        if device_type is not None and device_type not in info.devices:
+            raise UsageError(
+                f"backend '{info.name}' serves {', '.join(info.devices)} but this run is on "
+                f"{device_type} (use --backend {device_type}:NAME, or --device "
+                f"{info.devices[0]})")
+        if info.load is not None:
+            for dev in info.devices:
+                dist.Backend.default_device_backend_map[dev] = info.name
+        return info.name
+    names = {dev: info.name for dev, info in chosen.items()}
+    if device_type is not None and device_type not in names:
+        names[device_type] = dist.Backend.default_device_backend_map.get(device_type, "gloo")
+    for dev, info in chosen.items():
+        if info.load is not None:
+            dist.Backend.default_device_backend_map[dev] = info.name
+    return ",".join(f"{dev}:{name}" for dev, name in names.items())
+
+
+def _make_available(info: BackendInfo, backends: dict[str, BackendInfo]) -> None:
+    reason = info.unavailable()
+    if reason is not None:
+        usable = sorted(n for n, i in backends.items() if n != info.name and i.unavailable() is None)
+        raise UsageError(f"backend '{info.name}' cannot run here: {reason} (available here: "
+                         f"{', '.join(usable) or 'none'})")
+    info.make_available()
+
+
+def device_backend(device_type: str) -> str | None:
+    """The name of the default group's backend for ``device_type`` (``None``: no group, or none
+    for that device)."""
+    if not dist.is_initialized():
+        return None
+    for pair in dist.get_backend_config().split(","):
+        dev, _, name = pair.partition(":")
+        if dev == device_type:
+            return name
+    return None
 
 
 def init_single_process_group(backend: str = "gloo") -> bool:

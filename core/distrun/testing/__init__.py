@@ -65,11 +65,12 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: bool,
-               timeout: float, args: Sequence[Any], queue: Any) -> None:
+               timeout: float, args: Sequence[Any], queue: Any, backend: str = "gloo") -> None:
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1", "DISTRUN_TIMEOUT": str(int(timeout)),
+        "DISTRUN_BACKEND": backend,  # a Trainer inside makes its group with it
     })
     try:
         import torch
@@ -80,7 +81,12 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: b
 
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", rank=rank, world_size=world,
+            from distrun.config.run_config import RunConfig
+            from distrun.strategies.process_group import prepare_backend
+
+            # a plugin's backend is checked and loaded as a run would (gloo: nothing to do)
+            name = prepare_backend(RunConfig(backend=backend), "cpu")
+            dist.init_process_group(name, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
         # Plain pickle bytes: torch's shared-memory queue reduction can hang once the
@@ -97,19 +103,21 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: b
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
-                 init_process_group: bool = False, timeout: float = 120.0) -> list[Any]:
+                 init_process_group: bool = False, timeout: float = 120.0,
+                 backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; their results.
 
     Each process gets torchrun's variables (so a ``Trainer`` inside sets up the group itself),
-    or a ready gloo group with ``init_process_group=True``. ``fn`` must be importable (module
-    level). A rank that raises fails the call with its traceback; a hang fails after
-    ``timeout`` seconds (and collectives time out at the same bound).
+    or a ready group of ``backend`` (any ``--backend`` value) with ``init_process_group=True``.
+    ``fn`` must be importable (module level). A rank that raises fails the call with its
+    traceback; a hang fails after ``timeout`` seconds (and collectives time out at the same
+    bound).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_process_group,
-                                                   timeout, args, queue), daemon=False)
+                                                   timeout, args, queue, backend), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -188,6 +189,13 @@ class Trainer:
             pm.hook.distrun_on_exception(run=run, exc=exc)
             if _is_network_error(exc):
                 _exit_on_error(DistrunError(_network_message(run, exc)), debug=config.debug)
+            missing = _missing_collective(exc)
+            if missing is not None:
+                backend, op = missing
+                _exit_on_error(UsageError(
+                    f"the {backend} backend does not implement {op}, which the "
+                    f"{run.strategy.name if run.strategy else config.strategy} strategy calls "
+                    f"(use --backend gloo, or another strategy)"), debug=config.debug)
             if _is_collective_timeout(exc, run):
                 _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
             if _is_lost_peer(exc, run):
@@ -278,6 +286,18 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> None:
 
 #: where torch raises a failed collective: c10d calls, DDP's reducer, autograd's backward
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
+
+
+#: c10d's words for an operation a backend lacks: "Backend shm does not support alltoall"
+_MISSING_OP = re.compile(r"Backend (\S+) does not (?:support|implement) (\w+)")
+
+
+def _missing_collective(exc: BaseException) -> tuple[str, str] | None:
+    """(backend, operation) when a backend refused an operation it does not implement."""
+    if not isinstance(exc, (RuntimeError, NotImplementedError)):
+        return None
+    match = _MISSING_OP.search(first_line(exc))
+    return (match.group(1).lower(), match.group(2)) if match else None
 
 
 def _is_network_error(exc: BaseException) -> bool:

@@ -134,6 +134,31 @@ def main(argv: list[str] | None = None) -> None:
     finish(code)
 
 
+def _prepare_backend() -> None:
+    """Load the plugin backend ``--backend`` names before a plain script starts.
+
+    The script's own ``init_process_group("shm")`` then finds it, and ``init_process_group()``
+    with no backend named uses it (for its devices): the script runs unchanged.
+    """
+    import dataclasses
+    import json
+
+    from distrun.config.run_config import CONFIG_ENV, RunConfig
+
+    value = os.environ.get("DISTRUN_BACKEND", "auto")
+    if os.environ.get(CONFIG_ENV):  # the launcher's resolved value
+        value = json.loads(os.environ[CONFIG_ENV])["values"].get("backend", value)
+    if value in ("", "auto"):
+        return
+    from distrun.strategies.process_group import prepare_backend
+
+    try:
+        prepare_backend(dataclasses.replace(RunConfig(), backend=value))
+    except DistrunError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+
+
 def _run(argv: list[str]) -> None:
     die_with_launcher()
     # Registered first, so it runs last: after the target's own exit handlers.
@@ -144,6 +169,7 @@ def _run(argv: list[str]) -> None:
         # what `python PATH` / `python -m NAME` put first on sys.path
         sys.path[0] = os.path.dirname(os.path.abspath(name)) if run == "--script" \
             else os.getcwd()
+        _prepare_backend()
         _run_as_main(run, name)
         return
     target, args = argv[0], argv[1:]

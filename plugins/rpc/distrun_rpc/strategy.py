@@ -120,12 +120,15 @@ class RpcStrategy(BaseStrategy):
 
     def _join_trainers(self) -> None:
         # A second client of the RPC rendezvous store (hosted by rank 0, a trainer) gives the
-        # trainers their own gloo group without another port.
+        # trainers their own group (--backend's, gloo by default) without another port.
+        from distrun.strategies.process_group import prepare_backend
+
         cfg = self.config
         timeout = datetime.timedelta(seconds=cfg.timeout)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("distrun_rpc_trainers", store),
+        dist.init_process_group(prepare_backend(cfg, "cpu"),
+                                store=dist.PrefixStore("distrun_rpc_trainers", store),
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
         self._owns_group = True
 

@@ -22,10 +22,11 @@ if HAVE_JOIN:  # ZeRO is a Joinable: the join plugin puts it in the Join context
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory):
+def zero_runs(tmp_path_factory, cpu_backend):
     run_dir = str(tmp_path_factory.mktemp("zero"))
     runs = [dict(opts, run_dir=run_dir) for opts in RUNS.values()]
-    out = run_on_ranks(fit_zero, 2, runs, timeout=200, init_process_group=True)
+    out = run_on_ranks(fit_zero, 2, runs, timeout=200, init_process_group=True,
+                       backend=cpu_backend)
     return [dict(zip(RUNS, per_rank, strict=True)) for per_rank in out]
 
 

@@ -38,11 +38,12 @@ DDP_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory):
+def ddp_runs(tmp_path_factory, cpu_backend):
     run_dir = str(tmp_path_factory.mktemp("ddp"))
     runs = [dict(opts, run_dir=run_dir) for opts in DDP_RUNS.values()]
     # One process group for all the runs (recreating it between fits is not what we test).
-    out = run_on_ranks(fit_many, 2, runs, {}, timeout=240, init_process_group=True)
+    out = run_on_ranks(fit_many, 2, runs, {}, timeout=240, init_process_group=True,
+                       backend=cpu_backend)
     return [dict(zip(DDP_RUNS, per_rank, strict=True)) for per_rank in out]
 
 
@@ -119,12 +120,13 @@ def test_comm_hooks(ddp_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_ddp_two_ranks_matches_one_process(tmp_path):
+def test_cli_ddp_two_ranks_matches_one_process(tmp_path, cpu_backend):
     script = str(__import__("ddp_tasks").__file__)
     args = ["--batch-size", "16", "--max-steps", "6", "--seed", "3", "--grad-accum", "2"]
     toml = tmp_path / "run.toml"
     toml.write_text("[ddp]\nbucket_mb = 1.5\n")  # options come from TOML as well as flags
-    ddp = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--config", str(toml),
+    ddp = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--backend", cpu_backend,
+                  "--config", str(toml),
                   *args, "--run-dir", str(tmp_path / "ddp"), script,
                   "--out", str(tmp_path / "ddp.pt"), cwd=tmp_path)
     assert ddp.returncode == 0, ddp

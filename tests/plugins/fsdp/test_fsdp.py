@@ -25,7 +25,7 @@ COMMON = dict(grad_accum=2, grad_clip=0.5)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory, cpu_backend: str) -> dict:
     """The 1-process reference (in this process) and the 2-rank fits (one pair of processes)."""
     root = tmp_path_factory.mktemp("fsdp")
     ref = reference(options=dict(run_dir=str(root / "single"), **COMMON))
@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         dict(strategy="fsdp", run_dir=str(root / "hsdp"), port=free_port(),
              fsdp_replicate_degree=2, fsdp_cpu_offload=True, fsdp_reshard_after_forward=False,
              **COMMON),
-    ], timeout=240)
+    ], timeout=240, backend=cpu_backend)
     return {"single": ref, "fsdp": [rank0[0], rank1[0]], "hsdp": [rank0[1], rank1[1]]}
 
 

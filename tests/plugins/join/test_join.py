@@ -39,10 +39,11 @@ RUNS["throw"] = dict(COMMON, strategy="ddp", join_throw_on_early_termination=Tru
 
 
 @pytest.fixture(scope="module")
-def join_runs(tmp_path_factory):
+def join_runs(tmp_path_factory, cpu_backend):
     run_dir = str(tmp_path_factory.mktemp("join"))
     runs = [dict(opts, run_dir=run_dir) for opts in RUNS.values()]
-    out = run_on_ranks(fit_uneven, 2, runs, timeout=200, init_process_group=True)
+    out = run_on_ranks(fit_uneven, 2, runs, timeout=200, init_process_group=True,
+                       backend=cpu_backend)
     return [dict(zip(RUNS, per_rank, strict=True)) for per_rank in out]
 
 

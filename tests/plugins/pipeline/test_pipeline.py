@@ -50,7 +50,7 @@ def test_pp_sequential_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_every_schedule_matches_one_process(tmp_path: Path) -> None:
+def test_every_schedule_matches_one_process(tmp_path: Path, cpu_backend: str) -> None:
     """The tiny GPT over 20 steps under each schedule; gradient accumulation and clipping."""
     base = dict(max_steps=20, val_every_n_steps=10)
     variants = {"gpipe": dict(grad_accum=2), "1f1b": dict(grad_clip=0.5),
@@ -61,21 +61,21 @@ def test_every_schedule_matches_one_process(tmp_path: Path) -> None:
         refs[key] = reference("gpt", dict(base, **extra, run_dir=str(tmp_path / f"ref{key}")))
     runs = [("gpt", dict(base, **extra, strategy="pp", pp_schedule=name, port=free_port(),
                          run_dir=str(tmp_path / name))) for name, extra in variants.items()]
-    per_rank = run_on_ranks(train_many, 2, runs, timeout=600)
+    per_rank = run_on_ranks(train_many, 2, runs, timeout=600, backend=cpu_backend)
     for i, extra in enumerate(variants.values()):
         ref = refs[tuple(sorted(extra.items()))]
         _check_parity(ref, [r[i] for r in per_rank], 20)
 
 
 @pytest.mark.slow
-def test_pp_ddp_and_pp_fsdp_on_four_ranks(tmp_path: Path) -> None:
+def test_pp_ddp_and_pp_fsdp_on_four_ranks(tmp_path: Path, cpu_backend: str) -> None:
     """2 stages x 2 data-parallel replicas (DDP), and x 2 shards (FSDP2), match one process."""
     opts = dict(max_steps=20, val_every_n_steps=10, grad_clip=0.5)
     ref = reference("gpt", dict(opts, run_dir=str(tmp_path / "single")))
     runs = [("gpt", dict(opts, strategy=name, pp=2, port=free_port(),
                          run_dir=str(tmp_path / name.replace("+", "-"))))
             for name in ("pp+ddp", "pp+fsdp")]
-    per_rank = run_on_ranks(train_many, 4, runs, timeout=600)
+    per_rank = run_on_ranks(train_many, 4, runs, timeout=600, backend=cpu_backend)
     for i in range(2):
         out = [r[i] for r in per_rank]
         _check_parity(ref, out, 20)

@@ -20,17 +20,19 @@ TARGETS = ["plainx1", "plainx2", "fsdpx2", "tpx2", "fsdpx4"]
 
 
 @pytest.mark.slow
-def test_every_saved_layout_loads_bit_equal_in_every_layout(tmp_path):
+def test_every_saved_layout_loads_bit_equal_in_every_layout(tmp_path, cpu_backend):
     root = str(tmp_path)
     single = {"plainx1": save_layout("plain", os.path.join(root, "plainx1"), seed=1)}
     two = run_on_ranks(rank_save_and_load, 2, root, [("plain", 2), ("fsdp", 3), ("tp", 4)],
-                       ["plain", "fsdp", "tp"], single, init_process_group=True, timeout=240)
+                       ["plain", "fsdp", "tp"], single, init_process_group=True, timeout=240,
+                       backend=cpu_backend)
     saved2 = two[0]["saved"]
     four = run_on_ranks(rank_save_and_load, 4, root, [("fsdp_tp", 5)], ["fsdp"],
-                        {**single, **saved2}, init_process_group=True, timeout=240)
+                        {**single, **saved2}, init_process_group=True, timeout=240,
+                        backend=cpu_backend)
     saved4 = four[0]["saved"]
     late = run_on_ranks(rank_save_and_load, 2, root, [], ["plain", "fsdp", "tp"], saved4,
-                        init_process_group=True, timeout=240)
+                        init_process_group=True, timeout=240, backend=cpu_backend)
     cells: dict[str, list[str]] = {}
     for results in (two, four, late):
         for rank, result in enumerate(results):

@@ -58,9 +58,10 @@ def rank_resume(rank, world, root):
             "resumed_lr": resumed.optimizer.param_groups[0]["lr"]}
 
 
-def test_resume_is_bit_identical_and_resumes_elsewhere_at_the_same_sample(tmp_path):
+def test_resume_is_bit_identical_and_resumes_elsewhere_at_the_same_sample(tmp_path, cpu_backend):
     root = str(tmp_path)
-    results = run_on_ranks(rank_resume, 2, root, init_process_group=True, timeout=240)
+    results = run_on_ranks(rank_resume, 2, root, init_process_group=True, timeout=240,
+                           backend=cpu_backend)
     for rank, r in enumerate(results):
         assert r["resumed_from"].endswith(os.path.join("cut", "checkpoints", "step-5")), r
         assert r["whole_lr"] == r["resumed_lr"]

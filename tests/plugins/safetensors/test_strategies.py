@@ -31,10 +31,10 @@ def _installed() -> set[str]:
     return set(collect_strategies(make_plugin_manager()))
 
 
-def _run(nproc: str, flags: list[str], run_dir: Path, **env: str):
+def _run(nproc: str, flags: list[str], run_dir: Path, backend: str, **env: str):
     full_env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                 "DISTRUN_PLUGINS": "st_plugin", "DISTRUN_TIMEOUT": "120", **env}
-    args = ["run", "--nproc-per-node", nproc, *flags, "--batch-size", "8", "--seed", "5",
+    args = ["run", "--nproc-per-node", nproc, "--backend", backend, *flags, "--batch-size", "8", "--seed", "5",
             "--max-steps", "2", "--run-dir", str(run_dir), TASK]
     # A worker once aborted here at exit (134) in a full-suite run: a gloo group left to
     # Python's finalization; the worker entry point now destroys it (distrun.train.worker).
@@ -44,13 +44,14 @@ def _run(nproc: str, flags: list[str], run_dir: Path, **env: str):
 @pytest.mark.slow
 @pytest.mark.skipif(not {"ddp", "fsdp", "tp"} <= _installed(),
                     reason="needs the ddp, fsdp and tp plugins installed")
-def test_matrix_through_distrun_run(tmp_path):
+def test_matrix_through_distrun_run(tmp_path, cpu_backend):
     from safetensors.torch import load_file
 
     refs, sources = {}, []
     for name, (nproc, flags) in SAVES.items():
         dump = tmp_path / f"saved-{name}.safetensors"
-        result = _run(nproc, [*flags, "--ckpt-save-on-end"], tmp_path / name, ST_DUMP=str(dump))
+        result = _run(nproc, [*flags, "--ckpt-save-on-end"], tmp_path / name, cpu_backend,
+                      ST_DUMP=str(dump))
         assert result.returncode == 0, result
         refs[name] = load_file(str(dump))
         sources.append(str(tmp_path / name / "checkpoints" / "step-2"))
@@ -58,7 +59,7 @@ def test_matrix_through_distrun_run(tmp_path):
     for target, (nproc, flags) in LOADS.items():
         out = tmp_path / f"loaded-{target}"
         out.mkdir()
-        result = _run(nproc, flags, tmp_path / f"load-{target}", ST_LOAD_ALL=",".join(sources),
+        result = _run(nproc, flags, tmp_path / f"load-{target}", cpu_backend, ST_LOAD_ALL=",".join(sources),
                       ST_OUT=str(out))
         assert result.returncode == 0, result
         for i, source in enumerate(SAVES):

@@ -27,7 +27,7 @@ def _check_parity(ref: dict, out: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def tp_runs(tmp_path_factory: pytest.TempPathFactory, cpu_backend: str) -> dict:
     """1-process references (here) and the 2-rank tp fits (one pair of processes)."""
     root = tmp_path_factory.mktemp("tp")
     refs = {"blocks": reference("blocks", options=dict(run_dir=str(root / "single-blocks"))),
@@ -38,7 +38,7 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             ("gpt", dict(strategy="tp", tp_sequence_parallel=True, tp_loss_parallel=True,
                          grad_clip=0.5, plugins=PLUGINS, run_dir=str(root / "gpt"),
                          port=free_port()))]
-    per_rank = run_on_ranks(train_many, 2, runs, timeout=240)
+    per_rank = run_on_ranks(train_many, 2, runs, timeout=240, backend=cpu_backend)
     return {"refs": refs, "planned": [r[0] for r in per_rank], "gpt": [r[1] for r in per_rank]}
 
 
@@ -65,12 +65,13 @@ def test_tiny_gpt_sequence_and_loss_parallel_match_one_process(tp_runs: dict) ->
 
 
 @pytest.mark.slow
-def test_2d_fsdp_x_tp_on_four_ranks_matches_one_process(tmp_path: Path) -> None:
+def test_2d_fsdp_x_tp_on_four_ranks_matches_one_process(tmp_path: Path, cpu_backend: str) -> None:
     pytest.importorskip("distrun_fsdp")
     ref = reference("blocks", options=dict(run_dir=str(tmp_path / "single"), grad_clip=0.5))
     out = run_on_ranks(train_many, 4, [("blocks", dict(
         strategy="fsdp", tp_size=2, grad_clip=0.5, run_dir=str(tmp_path / "2d"),
-        plugins="distrun_fsdp.plugin,distrun_tp.plugin"))], timeout=240)
+        plugins="distrun_fsdp.plugin,distrun_tp.plugin"))], timeout=240,
+                       backend=cpu_backend)
     out = [o[0] for o in out]
     _check_parity(ref, out)
     # ranks (0,1) and (2,3) are tensor-parallel pairs; the pairs are the 2 data ranks
