@@ -100,22 +100,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _cpu_backends(option: str) -> list[object]:
-    from distrun.registry.collect import collect_backends
-    from distrun.registry.manager import make_plugin_manager
+    from distrun.testing import cpu_backends
 
-    offered = {n: i for n, i in collect_backends(make_plugin_manager()).items()
-               if "cpu" in i.devices}
+    offered = cpu_backends()
     if option != "available":
         names = [n.strip() for n in option.split(",") if n.strip()]
         unknown = sorted(set(names) - set(offered))
         if unknown:
             raise pytest.UsageError(f"--backends: {', '.join(unknown)} not installed "
-                                    f"(installed CPU backends: {', '.join(sorted(offered))})")
+                                    f"(installed CPU backends: {', '.join(offered)})")
     else:
-        names = sorted(offered, key=lambda n: (n != "gloo", n))
+        names = list(offered)
     out: list[object] = []
     for name in names:
-        reason = offered[name].unavailable()
+        reason = offered[name]
         if reason is None:
             out.append(pytest.param(name, marks=pytest.mark.backend))
         elif option != "available":  # asked for by name: say why it does not run
@@ -134,4 +132,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             _BACKENDS[option] = _cpu_backends(option)
         # module scope: a module fixture that takes it runs once per backend
         metafunc.parametrize("cpu_backend", _BACKENDS[option], scope="module")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left() -> Iterator[None]:
+    """After the suite, /dev/shm holds no segment of distrun-shm whose process has ended
+    (a live one belongs to a run still going, e.g. another session's tests)."""
+    yield
+    try:
+        from distrun_shm.backend import leftover_segments
+    except ImportError:
+        return
+    left = leftover_segments()
+    assert not left, f"segments of ended processes left in /dev/shm: {left}"
 

@@ -23,9 +23,8 @@ import pytest
 
 from distrun.launch.ports import free_port
 
-__all__ = ["CliResult", "busy_cores", "distrun_cli", "distrun_pm", "free_port", "imports_torch",
-           "run_cli",
-           "run_on_ranks"]
+__all__ = ["CliResult", "backend_plugins", "busy_cores", "cpu_backends", "distrun_cli", "distrun_pm", "free_port",
+           "imports_torch", "run_cli", "run_on_ranks"]
 
 
 @dataclass
@@ -49,6 +48,45 @@ def imports_torch(*modules: str) -> bool:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     return out.stdout.strip() == "True"
+
+
+def cpu_backends() -> dict[str, str | None]:
+    """Every installed backend that serves CPU tensors: name -> why it cannot run here (or None).
+
+    gloo first, then the others by name: the order a backend matrix runs in.
+    """
+    from distrun.registry.collect import collect_backends
+    from distrun.registry.manager import make_plugin_manager
+
+    offered = {n: i for n, i in collect_backends(make_plugin_manager()).items()
+               if "cpu" in i.devices}
+    return {n: offered[n].unavailable() for n in sorted(offered, key=lambda n: (n != "gloo", n))}
+
+
+def backend_plugins(backend: str | None = None) -> list[str]:
+    """Modules of the installed plugins that offer the backends ``backend`` names.
+
+    ``backend`` defaults to ``$DISTRUN_BACKEND``. For a test that loads only some plugins
+    (``DISTRUN_DISABLE_PLUGIN_AUTOLOAD=1`` and ``DISTRUN_PLUGINS``): add these to the list so
+    the run still finds its backend.
+    """
+    from importlib.metadata import entry_points
+
+    from distrun.registry.manager import ENTRY_POINT_GROUP
+    from distrun.spec.backends import BackendInfo, parse_backend
+
+    wanted = set(parse_backend(backend or os.environ.get("DISTRUN_BACKEND", "auto")).values())
+    out = []
+    for entry in entry_points(group=ENTRY_POINT_GROUP) if wanted else ():
+        plugin = entry.load()
+        register = getattr(plugin, "distrun_register_backends", None)
+        if register is None:
+            continue
+        offered: list[BackendInfo] = []
+        register(register=offered.append)
+        if wanted & {info.name for info in offered}:
+            out.append(plugin.__name__)
+    return out
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,

@@ -288,16 +288,24 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> None:
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
 
 
-#: c10d's words for an operation a backend lacks: "Backend shm does not support alltoall"
+#: c10d's words for an operation a backend lacks ("Backend shm does not support alltoall"),
+#: and a plugin backend's for a dtype ("shm backend: allreduce does not support dtype UInt32")
 _MISSING_OP = re.compile(r"Backend (\S+) does not (?:support|implement) (\w+)")
+_MISSING_DTYPE = re.compile(r"(\S+) backend: (\w+) does not support (dtype \S+)")
 
 
 def _missing_collective(exc: BaseException) -> tuple[str, str] | None:
     """(backend, operation) when a backend refused an operation it does not implement."""
     if not isinstance(exc, (RuntimeError, NotImplementedError)):
         return None
-    match = _MISSING_OP.search(first_line(exc))
-    return (match.group(1).lower(), match.group(2)) if match else None
+    line = first_line(exc)
+    match = _MISSING_OP.search(line)
+    if match:
+        return match.group(1).lower(), match.group(2)
+    match = _MISSING_DTYPE.search(line)
+    if match:
+        return match.group(1).lower(), f"{match.group(2)} on {match.group(3)}"
+    return None
 
 
 def _is_network_error(exc: BaseException) -> bool:

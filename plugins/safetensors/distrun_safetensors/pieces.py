@@ -76,12 +76,29 @@ def box_of(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
 
 
 def _holders(t: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], int]:
-    """The ranks holding the same data as this rank for ``t``, and this rank's position."""
+    """The ranks holding the same data as this rank for ``t``, and this rank's position.
+
+    A DTensor on a sub-mesh (FSDP's ``dp`` of an fsdp x tp mesh) is also held, identical, by
+    the ranks of the parallel sub-meshes (the other ``tp`` ranks): they count as holders too,
+    or each sub-mesh would write the tensor once. Meshes made apart from one root (each
+    pipeline stage's own) are not extended: the other stages hold other tensors.
+    """
     if not is_dtensor(t):
         return tuple(range(world)), rank
     from torch.distributed.tensor import Replicate
 
     mesh = t.device_mesh
+    sharded = {name for name, p in zip(mesh.mesh_dim_names or (), t.placements, strict=False)
+               if not isinstance(p, Replicate)}
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names = root.mesh_dim_names or ()
+    if root is not mesh and mesh.mesh_dim_names and set(mesh.mesh_dim_names) <= set(names) \
+            and "pp" not in names:
+        coord = root.get_coordinate()
+        index: tuple[Any, ...] = tuple(c if n in sharded else slice(None)
+                                       for n, c in zip(names, coord, strict=True))
+        group = tuple(int(r) for r in root.mesh[index].flatten().tolist())
+        return group, group.index(rank)
     coord = mesh.get_coordinate()
     index = tuple(slice(None) if isinstance(p, Replicate) else c
                   for p, c in zip(t.placements, coord, strict=False))

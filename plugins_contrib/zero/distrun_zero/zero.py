@@ -9,6 +9,7 @@ adds to the checkpoint's state records the sharding it was saved with.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -44,6 +45,19 @@ class ZeroOptimizer(ZeroRedundancyOptimizer):
         super().load_state_dict({**state_dict, "state": dict(state_dict["state"])})
 
 
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults its class's constructor takes back.
+
+    ZeroRedundancyOptimizer builds the local optimizer as ``optimizer_class(params,
+    **defaults)``; AdamW's defaults hold ``decoupled_weight_decay``, which AdamW's constructor
+    refuses (torch >= 2.6). The per-group values still carry every key.
+    """
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
 def shard_optimizer(run: Run) -> None:
     """Replace ``run.optimizer`` by a :class:`ZeroOptimizer` of the same class and groups."""
     if run.world_size < 2 or not dist.is_initialized():
@@ -60,7 +74,7 @@ def shard_optimizer(run: Run) -> None:
     groups = [dict(g) for g in inner.param_groups]
     zero = ZeroOptimizer(groups, optimizer_class=type(inner),
                          parameters_as_bucket_view=run.config.zero_bucket_view,
-                         **inner.defaults)
+                         **_constructor_defaults(inner))
     run.optimizer = zero
     if run.lr_scheduler is not None:
         make = getattr(run.task, "configure_scheduler", None)

@@ -16,7 +16,8 @@ from zero_tasks import fit_zero  # noqa: E402
 
 COMMON = dict(strategy="ddp", batch_size=16, max_steps=6, seed=2, timeout=120)
 HAVE_JOIN = importlib.util.find_spec("distrun_join") is not None
-RUNS = {"adam": dict(COMMON), "zero": dict(COMMON, zero=True)}
+RUNS = {"adam": dict(COMMON), "zero": dict(COMMON, zero=True),
+        "adamw": dict(COMMON, adamw=True), "zero_adamw": dict(COMMON, zero=True, adamw=True)}
 if HAVE_JOIN:  # ZeRO is a Joinable: the join plugin puts it in the Join context with DDP
     RUNS["zero_join"] = dict(COMMON, zero=True, max_steps=-1, uneven=(5, 8))
 
@@ -30,10 +31,12 @@ def zero_runs(tmp_path_factory, cpu_backend):
     return [dict(zip(RUNS, per_rank, strict=True)) for per_rank in out]
 
 
-def test_zero_matches_plain_adam(zero_runs):
+@pytest.mark.parametrize("plain_name, zero_name, kind", [("adam", "zero", "Adam"),
+                                                         ("adamw", "zero_adamw", "AdamW")])
+def test_zero_matches_the_plain_optimizer(zero_runs, plain_name, zero_name, kind):
     for rank in (0, 1):
-        plain, zero = zero_runs[rank]["adam"], zero_runs[rank]["zero"]
-        assert plain["optimizer"] == "Adam" and zero["optimizer"] == "ZeroOptimizer"
+        plain, zero = zero_runs[rank][plain_name], zero_runs[rank][zero_name]
+        assert plain["optimizer"] == kind and zero["optimizer"] == "ZeroOptimizer"
         assert zero["steps"] == plain["steps"] == 6
         for name, value in plain["weights"].items():
             diff = (zero["weights"][name] - value).abs().max().item()

@@ -17,7 +17,8 @@ _KEEP: list[Any] = []
 class Blocks(distrun.Task):
     """Eight equal linear blocks, so ZeRO's size-greedy partition splits them evenly."""
 
-    def __init__(self, uneven: tuple[int, int] | None = None) -> None:
+    def __init__(self, uneven: tuple[int, int] | None = None, adamw: bool = False) -> None:
+        self.adamw = adamw
         gen = torch.Generator().manual_seed(7)
         self.x = torch.randn(128, 32, generator=gen)
         self.y = torch.randn(128, 32, generator=gen)
@@ -30,6 +31,8 @@ class Blocks(distrun.Task):
         return nn.Sequential(*layers)
 
     def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.adamw:  # its defaults hold a key its constructor refuses (torch >= 2.6)
+            return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
         return torch.optim.Adam(params, lr=1e-3)
 
     def train_data(self) -> Any:
@@ -60,7 +63,8 @@ def fit_zero(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str
     for options in runs:
         options = dict(options)
         uneven = options.pop("uneven", None)
-        run = distrun.Trainer(summary=False, **options).fit(Blocks(uneven))
+        adamw = options.pop("adamw", False)
+        run = distrun.Trainer(summary=False, **options).fit(Blocks(uneven, adamw))
         _KEEP.append(run)
         opt = run.optimizer
         full = opt.state_dict()  # collective under ZeRO: every rank gets the whole state

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import distrun
+from distrun.testing import backend_plugins
 
 
 class Block(nn.Module):
@@ -85,6 +86,8 @@ class Recorder:
             "state": full_state(run.unwrapped_model()),
             "param_types": sorted({type(p).__name__ for p in run.model.parameters()}),
             "mesh_timeouts": _mesh_timeouts(run),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized()
+            else None,
             "timeout": run.config.timeout,
             "local_numel": sum(_local(p).numel() for p in run.model.parameters()),
             "opt_numel": sum(_local(v).numel() for s in run.optimizer.state.values()
@@ -101,12 +104,18 @@ class Recorder:
             self.losses.append(metrics["loss"])
 
 
-def _mesh_timeouts(run: Any) -> list[float]:
+def _mesh_timeouts(run: Any) -> list[float | None]:
+    """Each mesh group's collective timeout, as its backend tells it (gloo and nccl do; a
+    plugin's backend may not: None. tests/core/test_backends.py checks the timeout reaches
+    a plugin backend's sub-groups)."""
     mesh = getattr(run.strategy, "mesh", None)
     if mesh is None:
         return []
-    return [mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout
-            .total_seconds() for name in mesh.mesh_dim_names]
+    out: list[float | None] = []
+    for name in mesh.mesh_dim_names:
+        opts = getattr(mesh.get_group(name)._get_backend(torch.device("cpu")), "options", None)
+        out.append(opts._timeout.total_seconds() if opts is not None else None)
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +143,8 @@ def train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
         os.environ["MASTER_PORT"] = str(options.pop("port"))
     # only the plugins under test (not whatever else is installed)
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_fsdp.plugin")
+    os.environ["DISTRUN_PLUGINS"] = ",".join([options.pop("plugins", "distrun_fsdp.plugin"),
+                                              *backend_plugins()])
     from distrun.registry import manager as plugins
 
     plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder

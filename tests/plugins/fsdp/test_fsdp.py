@@ -52,7 +52,9 @@ def test_fsdp_two_ranks_match_one_process(runs: dict) -> None:
     assert [o["dp"] for o in out] == [(0, 2), (1, 2)]
     # the mesh's sub-groups time out like the run (--timeout), not after torch's 30 minutes
     assert out[0]["timeout"] < 1800
-    assert out[0]["mesh_timeouts"] == [out[0]["timeout"]] * 2
+    timeouts = [t for t in out[0]["mesh_timeouts"] if t is not None]
+    assert len(out[0]["mesh_timeouts"]) == 2 and timeouts == [out[0]["timeout"]] * len(timeouts)
+    assert timeouts or out[0]["backend"] != "gloo", "gloo's sub-groups tell their timeout"
     # parameters and optimizer state are DTensors sharded over the ranks: half each
     assert out[0]["param_types"] == ["DTensor"]
     assert "DTensor" in out[0]["opt_state_types"]

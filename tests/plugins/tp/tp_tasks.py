@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import distrun
+from distrun.testing import backend_plugins
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_gpt.py"
 
@@ -134,7 +135,8 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
         # a fresh store port per fit: a fast rank must not join the previous fit's store
         os.environ["MASTER_PORT"] = str(options.pop("port"))
     os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    os.environ["DISTRUN_PLUGINS"] = options.pop("plugins", "distrun_tp.plugin")
+    os.environ["DISTRUN_PLUGINS"] = ",".join([options.pop("plugins", "distrun_tp.plugin"),
+                                              *backend_plugins()])
     from distrun.registry import manager as plugins
 
     plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder

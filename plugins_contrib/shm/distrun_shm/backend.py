@@ -1,0 +1,144 @@
+"""Registers ``shm`` with torch.distributed and makes one backend per process group.
+
+Making a group (every member runs :func:`_create`): the ranks publish their machine and pid
+in the group's store and refuse a group that spans machines; rank 0 removes segments left by
+dead runs, creates the group's segment and publishes its name; the others map it; once every
+rank has mapped it, rank 0 unlinks the name, so nothing stays in /dev/shm whatever happens to
+the processes after that (the memory lives as long as a mapping does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import secrets
+import socket
+from typing import Any
+
+__all__ = ["leftover_segments", "load", "machine_id", "remove_stale_segments", "segment_prefix"]
+
+_loaded = False
+_counter = itertools.count()
+
+SLOT_KB = int(os.environ.get("DISTRUN_SHM_SLOT_KB", "1024"))
+RING_KB = int(os.environ.get("DISTRUN_SHM_RING_KB", "256"))
+SMALL_KB = int(os.environ.get("DISTRUN_SHM_SMALL_KB", "64"))
+
+
+def load() -> None:
+    """Build or find the extension and register ``shm`` for CPU tensors (idempotent)."""
+    global _loaded
+    if _loaded:
+        return
+    import torch.distributed as dist
+
+    from distrun_shm.build import load_extension
+
+    load_extension()
+    dist.Backend.register_backend("shm", _create, extended_api=True, devices=["cpu"])
+    _loaded = True
+
+
+def machine_id() -> str:
+    """This machine as the backend compares it: host name and boot id (or the override
+    ``DISTRUN_SHM_MACHINE_ID``, which tests use to play several machines)."""
+    override = os.environ.get("DISTRUN_SHM_MACHINE_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def segment_prefix() -> str:
+    """Names of this user's segments start so in /dev/shm (then ``<pid>-`` of the creator)."""
+    return f"distrun-shm-{os.getuid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
+
+
+def leftover_segments() -> list[str]:
+    """This user's segments in /dev/shm whose creator has ended (a kill -9 in the window
+    between creating and unlinking); a live creator's belong to a run still going."""
+    prefix = segment_prefix()
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        pid_text = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            out.append(name)
+    return out
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments :func:`leftover_segments` finds; their names."""
+    removed: list[str] = []
+    for name in leftover_segments():
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _one_machine(store: Any, rank: int, size: int, global_ranks: list[int]) -> list[int]:
+    """The group's pids, after checking all its ranks run on this machine."""
+    me = machine_id()
+    store.set(f"shm/who/{rank}", f"{os.getpid()}|{me}")
+    pids = []
+    for r in range(size):
+        pid, _, machine = store.get(f"shm/who/{r}").decode().partition("|")
+        if machine != me:
+            from distrun.spec.errors import UsageError
+
+            other = global_ranks[r] if r < len(global_ranks) else r
+            mine = global_ranks[rank] if rank < len(global_ranks) else rank
+            raise UsageError(
+                f"the shm backend reaches ranks of one machine only, but rank {other} runs on "
+                f"{machine.split('/')[0]} and rank {mine} on {me.split('/')[0]}: use "
+                "--backend gloo for a run over several nodes")
+        pids.append(int(pid))
+    return pids
+
+
+def _create(options: Any, _backend_options: Any) -> Any:
+    from distrun_shm.build import load_extension
+
+    ext = load_extension()
+    store, rank, size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(
+        timeout)
+    pids = _one_machine(store, rank, size, list(options.global_ranks_in_group or []))
+    sizes = dict(slot_bytes=SLOT_KB * 1024, ring_bytes=RING_KB * 1024,
+                 small_bytes=SMALL_KB * 1024, timeout_s=seconds)
+    if rank != 0:
+        name = store.get("shm/name").decode()
+        backend = ext.create(rank, size, name, False, pids, **sizes)
+        store.set(f"shm/mapped/{rank}", "1")
+        return backend
+    remove_stale_segments()
+    name = f"/{segment_prefix()}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    backend = ext.create(0, size, name, True, pids, **sizes)
+    try:
+        store.set("shm/name", name)
+        if size > 1:
+            store.wait([f"shm/mapped/{r}" for r in range(1, size)], timeout)
+    finally:
+        ext.unlink(name)
+    return backend

@@ -1,0 +1,15 @@
+"""Entry point of distrun-shm: offers the ``shm`` backend (torch-free at import)."""
+
+from __future__ import annotations
+
+from distrun import hookimpl
+from distrun.spec.backends import BackendInfo
+
+
+@hookimpl
+def distrun_register_backends(register):
+    register(BackendInfo(
+        "shm", ("cpu",), check="distrun_shm.build:unavailable", load="distrun_shm.backend:load",
+        single_node=True, plugin="distrun-shm",
+        help="POSIX shared memory between the ranks of one machine (CPU tensors; "
+             "compiled on first use)"))
