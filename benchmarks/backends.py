@@ -70,6 +70,10 @@ def _mlp(name: str) -> Any:
 
 
 def rank_main(rank: int, world: int, quick: bool) -> dict[str, Any]:
+    import warnings
+
+    # torch 2.13 calls all_gather_into_tensor / reduce_scatter_tensor deprecated (FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
