@@ -11,7 +11,7 @@ PACKAGES = [
     "distrun_rpc", "distrun_safetensors", "distrun_tp", "distrun_amp", "distrun_cluster_env",
     "distrun_progress", "distrun_tensorboard", "distrun_zero", "distrun_early_stopping",
     "distrun_lr_monitor", "distrun_profiler", "distrun_mlflow", "distrun_wandb",
-    "distrun_notebook", "distrun_pipeline", "distrun_shm",
+    "distrun_notebook", "distrun_pipeline", "distrun_shm", "distrun_ray", "distrun_torchx",
 ]
 
 

@@ -172,7 +172,8 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    pg, ranks = None, []
+    pg: Any = None
+    ranks: list[_Rank] = []
     try:
         for attempt in range(restarts + 1):
             pg, ranks = _place(ray, config, n)
@@ -203,7 +204,7 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             pg = None
             if failed is None:
                 return 0
-            code = exit_code(failed.code)
+            code = exit_code(failed.code if failed.code is not None else 1)
             if stop.signum is not None:
                 return code
             report_failure(failed, code, where=f"Ray node {failed.ip}")

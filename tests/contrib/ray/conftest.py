@@ -25,7 +25,8 @@ def ray_address() -> Iterator[str]:
     try:
         yield address
     finally:
-        cluster.stop()
+        left = cluster.stop()
+        assert not left, f"Ray processes left after stopping the head: {sorted(left)}"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -42,7 +43,7 @@ def distrun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: f
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def h() -> SimpleNamespace:
     """This folder's helpers (test modules cannot import conftest under --import-mode=importlib)."""
     return SimpleNamespace(clean_env=clean_env, distrun=distrun)

@@ -1,0 +1,1 @@
+"""A TorchX component that runs ``distrun run`` (``torchx run -s SCHEDULER distrun.run ...``)."""
