@@ -8,7 +8,8 @@ Launching, signals and exit codes of real runs keep using :func:`distrun.testing
 
 ``cpu_backend`` is the backend matrix: a test (or a module fixture) that takes it runs once
 per CPU backend available here (``gloo``, and ``shm`` when distrun-shm is installed), and is
-marked ``backend``. ``--backends gloo,shm`` picks them (``tox -e backend-shm``).
+marked ``backend`` (and ``slow`` for every backend but gloo: the fast lane runs the matrix
+over gloo). ``--backends gloo,shm`` picks them (``tox -e backend-shm``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def _cpu_backends(option: str) -> list[object]:
     for name in names:
         reason = offered[name]
         if reason is None:
-            out.append(pytest.param(name, marks=pytest.mark.backend))
+            # the fast lane runs the matrix over gloo; the full suite over every backend
+            marks = [pytest.mark.backend] + ([pytest.mark.slow] if name != "gloo" else [])
+            out.append(pytest.param(name, marks=marks))
         elif option != "available":  # asked for by name: say why it does not run
             out.append(pytest.param(name, marks=[pytest.mark.backend, pytest.mark.skip(
                 reason=f"backend {name}: {reason}")]))

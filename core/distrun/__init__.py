@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from distrun._version import __version__
+from distrun.spec.backends import BackendInfo
 from distrun.spec.errors import DistrunError, UsageError
 from distrun.spec.markers import hookimpl, hookspec
 from distrun.spec.options import Option, plugin_options
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from distrun.train.trainer import Trainer
 
 __all__ = [
+    "BackendInfo",
     "DistrunError",
     "Option",
     "Run",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl
-from distrun.spec.backends import BackendInfo
+from distrun import BackendInfo, hookimpl
 
 
 @hookimpl

@@ -47,6 +47,7 @@ def _processes_using(path: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_the_head_is_stopped_with_everything_it_started(h, tmp_path):
     from distrun_ray.local_cluster import LocalRayCluster
 

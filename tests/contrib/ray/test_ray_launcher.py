@@ -65,6 +65,7 @@ def test_two_ray_workers_form_a_gloo_group_and_stream_logs(h, tmp_path, ray_addr
     assert logs == ["rank0.log", "rank1.log"]
 
 
+@pytest.mark.slow
 def test_a_failure_names_the_rank_and_its_last_lines(h, tmp_path, ray_address):
     (tmp_path / "flaky.py").write_text(FLAKY)
     result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
@@ -79,6 +80,7 @@ def test_a_failure_names_the_rank_and_its_last_lines(h, tmp_path, ray_address):
     assert "restarting" not in err
 
 
+@pytest.mark.slow
 def test_max_restarts_restarts_the_group_with_resume_auto(h, tmp_path, ray_address):
     (tmp_path / "flaky.py").write_text(FLAKY)
     result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
@@ -93,6 +95,7 @@ def test_max_restarts_restarts_the_group_with_resume_auto(h, tmp_path, ray_addre
         assert info["resume"] == "auto" and info["sum"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_cluster_too_small_is_a_usage_error(h, tmp_path, ray_address):
     (tmp_path / "probe.py").write_text(PROBE)
     result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,

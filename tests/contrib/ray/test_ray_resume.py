@@ -110,6 +110,7 @@ def _result(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_resumes_from_the_checkpoint(h, tmp_path, ray_address,
                                                                       ray_reference):
     (tmp_path / "task.py").write_text(TASK)
@@ -146,6 +147,7 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_checkpoint(h, tmp_pat
     assert got["weights"] == ray_reference["weights"]
 
 
+@pytest.mark.slow
 def test_resume_latest_continues_a_finished_ray_run(h, tmp_path, ray_address, ray_reference):
     (tmp_path / "task.py").write_text(TASK)
     first = subprocess.run(
@@ -165,6 +167,7 @@ def test_resume_latest_continues_a_finished_ray_run(h, tmp_path, ray_address, ra
     assert got["weights"] == ray_reference["weights"]
 
 
+@pytest.mark.slow
 def test_resume_latest_without_a_checkpoint_is_a_usage_error(h, tmp_path, ray_address):
     (tmp_path / "task.py").write_text(TASK)
     result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,

@@ -52,6 +52,7 @@ def test_dead_rank_fails_the_others(how):
                     r"during allreduce$", results[0]), results
 
 
+@pytest.mark.slow
 def test_stalled_rank_times_out_and_the_late_one_is_told():
     results, codes = _spawn("stall")
     assert results[0] == ("DistBackendError: shm backend: allreduce timed out after 3.0 s "
@@ -83,6 +84,7 @@ def _init_and_pid(rank: int, world: int) -> int:
 
 
 
+@pytest.mark.slow
 def test_dead_rank_detected_under_load(busy_cores):
     # every core busy: waiting ranks sleep on the futex and still see the peer's death
     results, codes = _spawn("kill")
@@ -90,6 +92,7 @@ def test_dead_rank_detected_under_load(busy_cores):
     assert "exited during allreduce" in results[0], results
 
 
+@pytest.mark.slow
 def test_mesh_and_subgroups_under_load(busy_cores):
     for errors in run_on_ranks(shm_ranks.check_subgroups_and_mesh, 4, timeout=120):
         assert errors == []

@@ -119,6 +119,7 @@ def test_torchx_run_trains_two_processes_and_succeeds(tmp_path, reference):
     assert (tmp_path / "runs" / handle.rsplit("/", 1)[1]).is_dir()
 
 
+@pytest.mark.slow
 def test_the_runner_api_reads_succeeded_back(tmp_path, reference):
     status, proc = _runner("--nproc_per_node", "2", *TRAIN, "--script", "task.py", "api.json",
                            cwd=tmp_path)
@@ -127,6 +128,7 @@ def test_the_runner_api_reads_succeeded_back(tmp_path, reference):
     assert json.loads((tmp_path / "api.json").read_text())["weights"] == reference["weights"]
 
 
+@pytest.mark.slow
 def test_a_failing_script_is_reported_failed(tmp_path):
     (tmp_path / "fail.py").write_text(FAIL)
     status, proc = _runner("--nproc_per_node", "2", "--script", "fail.py", cwd=tmp_path)
@@ -141,6 +143,7 @@ def test_a_failing_script_is_reported_failed(tmp_path):
     assert result.returncode == 1 and "state: FAILED" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, reference):
     """Two replicas of one distrun launcher each: torch's c10d store on replica 0's host."""
     from distrun.launch.ports import free_port
