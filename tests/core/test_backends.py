@@ -98,3 +98,24 @@ def test_env_lists_each_backend_with_availability(cli, monkeypatch):
 
     if not torch.cuda.is_available():
         assert "unavailable: " in lines["nccl"]
+
+
+def test_a_cpu_backend_on_a_gpu_run_is_told_the_device_map(monkeypatch):
+    import torch.distributed as dist
+
+    from distrun.config.run_config import RunConfig
+    from distrun.registry.manager import make_plugin_manager
+    from distrun.spec.errors import UsageError
+    from distrun.strategies.process_group import prepare_backend
+
+    monkeypatch.syspath_prepend(str(HERE))
+    # loading gloo2 makes it torch's CPU default in this process: undone after the test
+    monkeypatch.setattr(dist.Backend, "default_device_backend_map",
+                        dict(dist.Backend.default_device_backend_map))
+    pm = make_plugin_manager(extra=["backend_plugin"])
+    with pytest.raises(UsageError) as err:
+        prepare_backend(RunConfig(backend="gloo2"), "cuda", pm=pm)
+    assert str(err.value) == ("backend 'gloo2' serves cpu but this run is on cuda (use a device "
+                              "map such as --backend cpu:gloo2,cuda:nccl, or --device cpu)")
+    assert prepare_backend(RunConfig(backend="cpu:gloo2"), "cuda", pm=pm) == "cpu:gloo2,cuda:nccl"
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo2"

@@ -91,9 +91,11 @@ def prepare_backend(config: RunConfig, device_type: str | None = None,
     if "*" in chosen:
         info = chosen["*"]
         if device_type is not None and device_type not in info.devices:
+            other = dist.Backend.default_device_backend_map.get(device_type, "gloo")
             raise UsageError(
                 f"backend '{info.name}' serves {', '.join(info.devices)} but this run is on "
-                f"{device_type} (use --backend {device_type}:NAME, or --device "
+                f"{device_type} (use a device map such as --backend "
+                f"{info.devices[0]}:{info.name},{device_type}:{other}, or --device "
                 f"{info.devices[0]})")
         if info.load is not None:
             for dev in info.devices:
