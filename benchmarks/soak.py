@@ -37,6 +37,8 @@ TESTS = ROOT / "tests" / "core"
 sys.path.insert(0, str(TESTS))
 from lifecycle_task import NEVER_DESTROYS, records  # noqa: E402
 
+from distrun.launch.lifeline import pid_alive  # noqa: E402
+
 TASK = f"{TESTS / 'lifecycle_task.py'}:Steps"
 ABORT = "terminate called"
 
@@ -56,14 +58,6 @@ def _start(cwd: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _worker_pids(rec: Path) -> list[int]:
     return [r["pid"] for rank in range(2) for r in records(str(rec), "start", rank)]
 
@@ -74,7 +68,7 @@ def _orphans(rec: Path, script_pids: Path | None = None) -> int:
     pids = _worker_pids(rec)
     if script_pids is not None and script_pids.exists():
         pids += [int(p) for p in script_pids.read_text().split()]
-    return sum(_alive(p) for p in pids)
+    return sum(pid_alive(p) for p in pids)
 
 
 def _wait_steps(proc: subprocess.Popen, rec: Path, rank: int, n: int, limit: float) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import pid_alive
 from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent
@@ -64,15 +65,6 @@ def _preempt_after(proc: subprocess.Popen, rec: Path, steps: int,
     return out
 
 
-def _alive(pid: int) -> bool:
-    """Running or sleeping: a zombie waiting for its reaper counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _manifests(ckpts: Path) -> list[dict]:
     return [json.loads((d / "manifest.json").read_text())
             for d in ckpts.glob("step-*") if (d / "manifest.json").exists()]
@@ -90,13 +82,13 @@ def test_kill9_of_the_launcher_ends_every_worker_and_nothing_commits_after(tmp_p
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.time()
         start = time.monotonic()
-        while any(_alive(p) for p in pids) and time.monotonic() - start < 30:
+        while any(pid_alive(p) for p in pids) and time.monotonic() - start < 30:
             time.sleep(0.01)
         gone_after = time.monotonic() - start
     finally:
         proc.kill()
         proc.wait()
-    assert not any(_alive(p) for p in pids), "workers outlived their launcher by 30 s"
+    assert not any(pid_alive(p) for p in pids), "workers outlived their launcher by 30 s"
     # the parent-death signal is sent by the kernel as the launcher exits
     assert gone_after < 1.0, f"workers outlived their launcher by {gone_after:.2f} s"
     manifests = _manifests(tmp_path / "runs" / "k9" / "checkpoints")

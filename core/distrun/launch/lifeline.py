@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "launcher_alive"]
+__all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "launcher_alive", "pid_alive"]
 
 LAUNCHER_PID_ENV = "DISTRUN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -24,6 +24,16 @@ def _launcher_pid() -> int | None:
         return int(os.environ[LAUNCHER_PID_ENV])
     except (KeyError, ValueError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """A live process (running or sleeping); a zombie waiting for its reaper counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
 
 
 def launcher_alive() -> bool:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from types import TracebackType
 
+from distrun.launch.lifeline import pid_alive
 from distrun.launch.ports import free_port
 
 __all__ = ["LocalRayCluster"]
@@ -118,7 +119,7 @@ class LocalRayCluster:
             leader.wait()
             deadline = time.monotonic() + 10.0
             while True:
-                left = {pid for pid in started if _alive(pid)} | self.processes()
+                left = {pid for pid in started if pid_alive(pid)} | self.processes()
                 if not left or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -149,12 +150,3 @@ def _process_table() -> dict[int, tuple[int, int, str]]:
             continue
         table[int(name)] = (int(fields[1]), int(fields[2]), fields[0])
     return table
-
-
-def _alive(pid: int) -> bool:
-    """True for a live process (a zombie waiting for its parent is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -16,6 +16,8 @@ import secrets
 import socket
 from typing import Any
 
+from distrun.launch.lifeline import pid_alive
+
 __all__ = ["leftover_segments", "load", "machine_id", "remove_stale_segments", "segment_prefix"]
 
 _loaded = False
@@ -59,15 +61,6 @@ def segment_prefix() -> str:
     return f"distrun-shm-{os.getuid()}-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X", "x")
-
-
 def leftover_segments() -> list[str]:
     """This user's segments in /dev/shm whose creator has ended (a kill -9 in the window
     between creating and unlinking); a live creator's belong to a run still going."""
@@ -79,7 +72,7 @@ def leftover_segments() -> list[str]:
     out = []
     for name in names:
         pid_text = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             out.append(name)
     return out
 

@@ -7,21 +7,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from distrun.launch.lifeline import pid_alive
 
-def alive(pid: int) -> bool:
-    """A running (not zombie) process: psutil when installed, else /proc."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return False
-        return state not in ("Z", "X")
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.NoSuchProcess:
-        return False
+alive = pid_alive  # a running (not zombie) process
 
 
 def survivors(pids: Iterable[int], within: float = 5.0) -> list[int]:
