@@ -7,10 +7,11 @@ call ``load`` and ``check``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from distrun.spec.strategy import import_target
 
 __all__ = ["BackendInfo", "parse_backend", "resolve"]
 
@@ -62,10 +63,8 @@ def resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
     module, sep, attr = target.partition(":")
     if not (module and sep and attr):
         raise ValueError(f"a backend function string is 'module:function', not {target!r}")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    function: Callable[..., Any] = import_target(target)
+    return function
 
 
 def parse_backend(text: str) -> dict[str, str]:

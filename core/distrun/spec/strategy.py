@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from distrun.config.run_config import RunConfig
 
-__all__ = ["LazyFactory", "Strategy", "StrategyInfo"]
+__all__ = ["LazyFactory", "Strategy", "StrategyInfo", "import_target"]
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,19 @@ class LazyFactory:
             raise ValueError(f"a strategy factory string is 'module:Class', not {self.target!r}")
 
     def __call__(self, config: RunConfig) -> Strategy:
-        import importlib
-
-        module, _, attr = self.target.partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        strategy: Strategy = obj(config)
+        strategy: Strategy = import_target(self.target)(config)
         return strategy
+
+
+def import_target(target: str) -> Any:
+    """The object a ``"module:attr"`` (or ``"module:Class.attr"``) string names, imported now."""
+    import importlib
+
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class SetupView(Protocol):

@@ -23,7 +23,7 @@ import pytest
 
 from distrun.launch.ports import free_port
 
-__all__ = ["CliResult", "backend_plugins", "busy_cores", "cpu_backends", "distrun_cli", "distrun_pm", "free_port",
+__all__ = ["CliResult", "backend_plugins", "busy_cores", "only_plugins", "cpu_backends", "distrun_cli", "distrun_pm", "free_port",
            "imports_torch", "run_cli", "run_on_ranks"]
 
 
@@ -87,6 +87,22 @@ def backend_plugins(backend: str | None = None) -> list[str]:
         if wanted & {info.name for info in offered}:
             out.append(plugin.__name__)
     return out
+
+
+def only_plugins(modules: str) -> None:
+    """Run this process's next fits with only the plugin ``modules`` (comma-separated), plus
+    those offering ``$DISTRUN_BACKEND``'s backends, on a fresh plugin manager (no earlier
+    fit's plugin objects)."""
+    from distrun.registry.manager import (
+        AUTOLOAD_ENV,
+        EXTRA_ENV,
+        make_plugin_manager,
+        set_plugin_manager,
+    )
+
+    os.environ[AUTOLOAD_ENV] = "1"
+    os.environ[EXTRA_ENV] = ",".join([modules, *backend_plugins()])
+    set_plugin_manager(make_plugin_manager())
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import distrun
-from distrun.testing import backend_plugins
+from distrun.testing import only_plugins
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_gpt.py"
 PLUGINS = "distrun_pipeline.plugin"
@@ -185,12 +185,7 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
     os.environ.pop("DISTRUN_CONFIG", None)
     if "port" in options:
         os.environ["MASTER_PORT"] = str(options.pop("port"))
-    os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    os.environ["DISTRUN_PLUGINS"] = ",".join([options.pop("plugins", PLUGINS),
-                                              *backend_plugins()])
-    from distrun.registry import manager as plugins
-
-    plugins.set_plugin_manager(plugins.make_plugin_manager())
+    only_plugins(options.pop("plugins", PLUGINS))  # fresh: no earlier fit's plugins
     rec = Recorder()
     extra: tuple[Any, ...] = (Killer(options.pop("kill_at")),) if "kill_at" in options else ()
     opts = dict(max_steps=20, max_epochs=5, batch_size=16, log_every_n_steps=1, summary=False,

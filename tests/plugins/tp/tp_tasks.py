@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import distrun
-from distrun.testing import backend_plugins
+from distrun.testing import only_plugins
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_gpt.py"
 
@@ -134,12 +134,7 @@ def train(rank: int, world: int, task: str, options: dict[str, Any]) -> dict[str
     if "port" in options:
         # a fresh store port per fit: a fast rank must not join the previous fit's store
         os.environ["MASTER_PORT"] = str(options.pop("port"))
-    os.environ["DISTRUN_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    os.environ["DISTRUN_PLUGINS"] = ",".join([options.pop("plugins", "distrun_tp.plugin"),
-                                              *backend_plugins()])
-    from distrun.registry import manager as plugins
-
-    plugins.set_plugin_manager(plugins.make_plugin_manager())  # fresh: no earlier fit's Recorder
+    only_plugins(options.pop("plugins", "distrun_tp.plugin"))  # fresh: no earlier fit's plugins
     rec = Recorder()
     opts = dict(max_steps=5, batch_size=16, log_every_n_steps=1, summary=False, timeout=120.0)
     opts.update(options)
