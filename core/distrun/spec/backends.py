@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.spec.strategy import import_target
+from distrun.spec.targets import import_target
 
 __all__ = ["BackendInfo", "parse_backend", "resolve"]
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from distrun.spec.stash import Stash
+from distrun.spec.targets import import_target
 
 if TYPE_CHECKING:
     import torch
 
     from distrun.config.run_config import RunConfig
 
-__all__ = ["LazyFactory", "Strategy", "StrategyInfo", "import_target"]
+__all__ = ["LazyFactory", "Strategy", "StrategyInfo"]
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,6 @@ class LazyFactory:
         strategy: Strategy = import_target(self.target)(config)
         return strategy
 
-
-def import_target(target: str) -> Any:
-    """The object a ``"module:attr"`` (or ``"module:Class.attr"``) string names, imported now."""
-    import importlib
-
-    module, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class SetupView(Protocol):
