@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 
-from distrun_safetensors.files import DTYPE_SIZES, CheckpointError
+from distrun_safetensors.errors import CheckpointError, NewerFormatError
+from distrun_safetensors.files import DTYPE_SIZES
 from distrun_safetensors.manifest import (
     BEST,
     MODEL_INDEX,
@@ -24,8 +25,8 @@ from distrun_safetensors.manifest import (
     read_manifest_quietly,
     read_pointer,
     step_folders,
-    validate,
 )
+from distrun_safetensors.validation import validate
 
 __all__ = ["ckpt"]
 
@@ -123,15 +124,19 @@ def _nbytes(info: dict[str, Any]) -> int:
 @ckpt.command("verify")
 @click.argument("path", type=click.Path(exists=True))
 def verify_cmd(path: str) -> None:
-    """Check completeness, headers and every file's CRC-32 (a folder, or all in a dir)."""
-    if is_checkpoint_folder(path):
-        folders = [path]
-    else:
-        folders, notes = candidates(path)
-        for note in notes:
-            click.echo(f"warning: {note}")
-        if not folders:
-            raise CheckpointError(f"no checkpoint in {path}")
+    """Check a checkpoint as a resume does (manifest, versions, indexes, headers, state files,
+    checksums): one folder, or every one of a checkpoints folder."""
+    if is_checkpoint_folder(path):  # one checkpoint: its first problem is the error line
+        c = validate(path, verify=True)
+        total = sum(f["size"] for f in c.manifest["files"].values())
+        click.echo(f"OK  {path}: step {c.step}, {len(c.manifest['files'])} files, "
+                   f"{_human(total)} verified")
+        return
+    folders, notes = candidates(path)
+    for note in notes:
+        click.echo(f"warning: {note}")
+    if not folders:
+        raise CheckpointError(f"no checkpoint in {path}")
     bad = 0
     for folder in folders:
         try:
@@ -181,6 +186,8 @@ def ls_cmd(directory: str) -> None:
                 tail += "  <- best"
             click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
                        f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}{tail}")
+        except NewerFormatError as exc:  # not damaged: this build is older than the writer
+            click.echo(f"{mark} {os.path.basename(folder):<16} NEWER FORMAT: {exc}")
         except CheckpointError as exc:
             click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
     if best_problem:

@@ -15,8 +15,8 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distrun.spec.errors import UsageError
 from distrun_safetensors.checksums import DEFAULT, Checksum, checksum
+from distrun_safetensors.errors import CheckpointError
 
 __all__ = ["DTYPE_SIZES", "CheckpointError", "fsync_dir", "member",
            "read_header", "write_json", "write_safetensors"]
@@ -30,10 +30,6 @@ DTYPE_SIZES = {
 HEADER_LIMIT = 100 * 1024 * 1024
 _CHUNK = 16 * 1024 * 1024
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class CheckpointError(UsageError):
-    """A checkpoint is missing, torn, corrupted or does not fit the model (exit code 2)."""
 
 
 # -- observers of a save's durable points (tracing; the kill -9 tests stop a process there) ---

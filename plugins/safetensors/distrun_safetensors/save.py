@@ -39,8 +39,8 @@ from distrun_safetensors.manifest import (
     MONITOR,
     OPTIM_INDEX,
     OPTIM_JSON,
+    TENSORS,
     VERSION,
-    _check_tensor,  # noqa: I001
     data_file,
     state_files,
 )
@@ -56,6 +56,7 @@ from distrun_safetensors.retention import (
     sweep_stale,
 )
 from distrun_safetensors.statecodec import encode
+from distrun_safetensors.validation import check_tensor
 
 __all__ = ["Checkpointer", "Retention", "optimizer_names", "sweep_stale"]
 
@@ -324,19 +325,23 @@ class Checkpointer:
                                        key=lambda kv: order.get(kv[0], len(order))))
         for kind in ("model", "optim"):
             for name, info in indexes[kind].items():
-                _check_tensor(f"{kind} pieces", name, info, files)
+                check_tensor(f"{kind} pieces", name, info, files)
         if job["optim_meta"] is not None:
             files[OPTIM_JSON] = write_json(os.path.join(tmp, OPTIM_JSON), job["optim_meta"])
+        record: dict[str, dict[str, str]] = {}
         for kind, name in (("model", MODEL_INDEX), ("optim", OPTIM_INDEX)):
             if kind == "optim" and job["optim_meta"] is None:
                 continue
             files[name] = write_json(os.path.join(tmp, name), _hf_index(indexes[kind]))
+            record[name] = {t: f"{info['dtype']}{info['shape']}"
+                            for t, info in indexes[kind].items()}
         manifest = {
             "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
             "committed_at": time.time(), "world_size": job["world"],
             "meshes": job["meshes"], "checksum": CHECKSUM, "files": files,
             "states": {"world_size": job["world"],
                        "files": [r["state_files"] for r in reports]},
+            TENSORS: record,
             **job["info"],
         }
         write_json(os.path.join(tmp, MANIFEST), manifest)

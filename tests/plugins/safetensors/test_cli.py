@@ -88,8 +88,12 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
     data.write_bytes(bytes(raw))
     bad = run_cli("ckpt", "verify", str(broken / "step-8"))
     assert bad.returncode == 2, bad
-    assert "model-00001-of-00002.safetensors: checksum mismatch" in bad.stdout
-    assert "error: 1 of 1 checkpoint(s) failed verification" in bad.stderr
+    assert bad.stderr == (f"error: {data}: checksum mismatch (corrupted file)\n"), bad
+    every = run_cli("ckpt", "verify", str(broken))  # each checkpoint of the folder: OK or BAD
+    assert every.returncode == 2, every
+    assert f"BAD {broken / 'step-8'}: {data}: checksum mismatch" in every.stdout
+    assert f"OK  {broken / 'step-6'}: step 6" in every.stdout
+    assert every.stderr == "error: 1 of 3 checkpoint(s) failed verification\n", every
 
 
 @pytest.mark.slow

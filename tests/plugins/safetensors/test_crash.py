@@ -10,8 +10,8 @@ from st_layouts import build, compare, full_state, train_step
 from st_plugin import kill_at as kill_at_point
 
 from distrun_safetensors.load import load
-from distrun_safetensors.manifest import validate
 from distrun_safetensors.save import Checkpointer
+from distrun_safetensors.validation import validate
 
 
 def _save_and_maybe_die(directory: str, step: int, kill_at: int, async_save: bool) -> None:

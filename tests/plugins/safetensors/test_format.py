@@ -13,9 +13,10 @@ from st_layouts import build, compare, full_state, train_step
 
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
-from distrun_safetensors.manifest import VERSION, validate
+from distrun_safetensors.manifest import VERSION
 from distrun_safetensors.save import Checkpointer
 from distrun_safetensors.statecodec import decode, encode
+from distrun_safetensors.validation import validate
 
 
 def _saved(tmp_path, steps=(1,), keep_last=0, **kw):
@@ -205,6 +206,33 @@ def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path, caplog, dama
     want_step = 1 if damage != "pointer" else 2
     assert result.step == want_step
     assert reason in caplog.text
+
+
+@pytest.mark.parametrize("where", ["manifest", "index"])
+def test_latest_stops_at_a_newer_format_instead_of_falling_back(tmp_path, where):
+    """A checkpoint from a newer distrun-safetensors is not damaged: `latest` and `auto` stop
+    with one line naming the versions this build reads, instead of training from an older
+    step (whose later saves could then prune the newer one)."""
+    from st_layouts import reseal
+
+    _saved(tmp_path, steps=(1, 2))
+    newest = tmp_path / "ckpt" / "step-2"
+    name = "manifest.json" if where == "manifest" else "model.safetensors.index.json"
+    data = json.loads((newest / name).read_text())
+    (data if where == "manifest" else data["distrun"])["version"] = VERSION + 1
+    (newest / name).write_text(json.dumps(data))
+    if where == "index":
+        reseal(newest, name)
+    fresh, fresh_opt = build("plain", seed=3)
+    before = full_state(fresh, fresh_opt)
+    for source in ("latest", "auto"):
+        with pytest.raises(CheckpointError) as info:
+            load(source, fresh, fresh_opt, ckpt_dir=str(tmp_path / "ckpt"))
+        message = str(info.value)
+        assert f"version {VERSION + 1} was written by a newer distrun-safetensors; this build " \
+               f"reads versions 1 to {VERSION}" in message and "\n" not in message, message
+        assert message.startswith(str(newest / name))
+    assert compare(full_state(fresh, fresh_opt), before) == []
 
 
 def test_verify_off_skips_checksums(tmp_path):
