@@ -25,6 +25,7 @@ from distrun_safetensors.manifest import (
     candidates,
     is_checkpoint_folder,
 )
+from distrun_safetensors.paths import checked_path, read_member
 from distrun_safetensors.pieces import DTYPES, box_of, covered, is_dtensor, read_box
 from distrun_safetensors.save import optimizer_names
 from distrun_safetensors.statecodec import decode
@@ -270,14 +271,13 @@ def _load_state(ckpt: Checkpoint, stack: ExitStack) -> dict[str, Any]:
     json_name, tensor_name = ckpt.states[rank if len(ckpt.states) == world else 0]
     import json
 
-    with open(ckpt.path(json_name), "rb") as fh:
-        data = json.loads(fh.read())
+    data = json.loads(read_member(ckpt.folder, json_name, 1 << 30, "state"))
     getter = None
     if tensor_name is not None:
         from safetensors import safe_open
 
-        handle = stack.enter_context(safe_open(ckpt.path(tensor_name), framework="pt",
-                                               device="cpu"))
+        handle = stack.enter_context(safe_open(checked_path(ckpt.folder, tensor_name),
+                                               framework="pt", device="cpu"))
 
         def getter(key: str) -> torch.Tensor:
             return handle.get_tensor(key)

@@ -14,7 +14,7 @@ from typing import Any
 
 from distrun_safetensors.checksums import checksum
 from distrun_safetensors.errors import CheckpointError, NewerFormatError
-from distrun_safetensors.files import member
+from distrun_safetensors.paths import member, read_member
 
 __all__ = ["FORMAT", "VERSION", "Checkpoint", "best_candidates", "candidates", "check_version",
            "inside", "monitor_record", "outside_links", "read_json", "read_latest",
@@ -84,16 +84,12 @@ class Checkpoint:
 
 def read_json(folder: str, name: str, what: str, expect: dict[str, Any] | None = None,
               verify: bool = True, algorithm: str = "crc32") -> Any:
-    """The JSON object in file ``name`` of ``folder``, checked against the manifest's
-    ``expect`` (``{"size", <algorithm>}``) first; :class:`CheckpointError` naming the file
-    otherwise."""
-    path = member(folder, name)
+    """The JSON object in file ``name`` of ``folder`` (read through
+    :func:`~distrun_safetensors.paths.read_member`), checked against the manifest's ``expect``
+    (``{"size", <algorithm>}``) first; :class:`CheckpointError` naming the file otherwise."""
+    path = os.path.join(folder, name)
     try:
-        size = os.path.getsize(path)
-        if size > _JSON_LIMIT:
-            raise CheckpointError(f"{path}: {what} is {size} bytes, too large to be one")
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_member(folder, name, _JSON_LIMIT, what)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} is missing") from None
     except OSError as exc:
@@ -169,9 +165,10 @@ def read_pointer(ckpt_dir: str, name: str) -> tuple[str | None, str | None]:
     if not os.path.lexists(path):
         return None, None
     try:
-        with open(member(ckpt_dir, name)) as fh:
-            target = fh.read(256).strip()
-    except (OSError, UnicodeDecodeError, CheckpointError) as exc:
+        target = read_member(ckpt_dir, name, 256, "the pointer").decode().strip()
+    except CheckpointError as exc:
+        return None, str(exc)
+    except (OSError, UnicodeDecodeError) as exc:
         return None, f"{path} is unreadable ({exc})"
     if not STEP_RE.match(target):
         return None, f"{path} does not name a step-N folder ({target[:40]!r})"
@@ -182,9 +179,8 @@ def read_manifest_quietly(folder: str) -> dict[str, Any] | None:
     """The parsed manifest of ``folder``, or None when it is missing or unreadable (listing
     and retention only: loading validates)."""
     try:
-        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
-            manifest = json.loads(fh.read(1 << 20))
-    except (OSError, ValueError, CheckpointError):
+        manifest = json.loads(read_member(folder, MANIFEST, _JSON_LIMIT))
+    except (OSError, ValueError, RecursionError, CheckpointError):
         return None
     return manifest if isinstance(manifest, dict) else None
 
@@ -241,11 +237,10 @@ def best_candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
 
 
 def committed_at(folder: str) -> float:
-    try:
-        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
-            value = json.loads(fh.read(1 << 20)).get("committed_at", 0.0)
-    except (OSError, ValueError, AttributeError, CheckpointError):
+    manifest = read_manifest_quietly(folder)  # never through a link that leaves
+    if manifest is None:
         return -1.0
+    value = manifest.get("committed_at", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return -1.0
     return float(value)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import uuid
@@ -21,6 +20,7 @@ from distrun_safetensors.manifest import (
     MANIFEST,
     MONITOR,
     monitor_record,
+    read_json,
     read_manifest_quietly,
     read_pointer,
     step_folders,
@@ -79,8 +79,7 @@ def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
     is written beside the step folders, fsynced and renamed over the old one (a crash leaves
     one or the other)."""
     path = member(folder, MANIFEST)
-    with open(path, "rb") as fh:
-        manifest = json.loads(fh.read())
+    manifest = read_json(folder, MANIFEST, "manifest")
     manifest[MONITOR] = record
     tmp = os.path.join(directory, f".manifest-{uuid.uuid4().hex[:8]}")
     write_json(tmp, manifest)

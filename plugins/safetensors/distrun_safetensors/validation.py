@@ -13,7 +13,7 @@ from typing import Any
 
 from distrun_safetensors.checksums import file_checksum
 from distrun_safetensors.errors import CheckpointError
-from distrun_safetensors.files import DTYPE_SIZES, member, read_header
+from distrun_safetensors.files import DTYPE_SIZES, read_header
 from distrun_safetensors.manifest import (
     MODEL_INDEX,
     OPTIM_INDEX,
@@ -25,6 +25,7 @@ from distrun_safetensors.manifest import (
     read_manifest,
     state_files,
 )
+from distrun_safetensors.paths import member
 from distrun_safetensors.statecodec import check_encoded
 
 __all__ = ["check_tensor", "validate"]

@@ -137,7 +137,18 @@ def missing_manifest(folder):
     return "manifest.json is missing"
 
 
-# -- issue 26 item 6: what verify now refuses, resume refuses, before anything is loaded ---
+# -- issue 26: every file of the folder linked out; what verify now refuses, resume refuses ---
+
+
+def _linked_out(name):
+    def damage(folder):
+        outside = os.path.join(os.path.dirname(os.path.dirname(folder)), name)
+        os.replace(os.path.join(folder, name), outside)
+        os.symlink(outside, os.path.join(folder, name))
+        return f"{name} is a link that leaves the checkpoint folder"
+
+    damage.__name__ = f"linked_out_{name.replace('.', '_').replace('-', '_')}"
+    return damage
 
 
 def _edit_json(folder, name, fn):
@@ -197,6 +208,9 @@ def index_version_from_the_future(folder):
 CASES = [truncated, truncated_resealed, flipped, header_too_long, header_not_object,
          dtype_disagrees, shape_disagrees, escapes_dotdot, escapes_absolute, escapes_manifest,
          escapes_symlink, missing_manifest,
+         *[_linked_out(name) for name in ("model.safetensors.index.json",
+                                          "optimizer.safetensors.index.json", "optimizer.json",
+                                          "state-00000.json", "optim-00001-of-00001.safetensors")],
          state_holds_pickle, state_bad_tensor_reference, state_bad_inline_tensor,
          state_path_outside, state_path_absolute, dtype_lie_in_header_and_index,
          index_version_from_the_future]

@@ -118,6 +118,61 @@ def manifest_linked_out(c: Path) -> tuple[list[str], str]:
             "(refusing to read it)")
 
 
+# -- issue 26, item 4: every kind of file of the folder, as a link that leaves it (or a FIFO) --
+
+LINKED = "is a link that leaves the checkpoint folder (refusing to read it)"
+
+
+def _link_out(c: Path, rel: str) -> Path:
+    """Move file ``rel`` of the checkpoints folder outside and leave a symlink to it."""
+    path = c / rel
+    target = c.parent.parent / "outside" / path.name
+    os.replace(path, target)
+    os.symlink(target, path)
+    return path
+
+
+def model_index_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, f"step-2/{INDEX}")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def optimizer_index_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/optimizer.safetensors.index.json")
+    return ["inspect", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def optimizer_json_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/optimizer.json")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def state_json_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/state-00000.json")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def state_tensors_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/state-00000.safetensors")
+    out = c.parent.parent / "merged"
+    return ["consolidate", str(c / "step-2"), str(out)], f"error: {path} {LINKED}"
+
+
+def latest_is_a_fifo(c: Path) -> tuple[list[str], str]:
+    (c / "latest").unlink()
+    os.mkfifo(c / "latest")  # reading it would block forever
+    return (["ls", str(c)],
+            f"error: {c / 'latest'} is not a regular file (refusing to read it)")
+
+
+def manifest_is_a_fifo(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    (step / "manifest.json").unlink()
+    os.mkfifo(step / "manifest.json")
+    return (["inspect", str(step)],
+            f"error: {step / 'manifest.json'} is not a regular file (refusing to read it)")
+
+
 # -- item 6: what a resume refuses, verify / inspect / consolidate refuse too ------------------
 
 
@@ -219,6 +274,9 @@ def index_format_version_from_the_future(c: Path) -> tuple[list[str], str]:
 CASES: list[Callable[[Path], tuple[list[str], str]]] = [
     dtype_is_a_list, committed_at_not_a_number, committed_at_a_list,
     latest_names_a_missing_step, shard_size_dots, shard_size_two_dots, manifest_linked_out,
+    # issue 26 item 4
+    model_index_linked_out, optimizer_index_linked_out, optimizer_json_linked_out,
+    state_json_linked_out, state_tensors_linked_out, latest_is_a_fifo, manifest_is_a_fifo,
     # issue 26 item 6
     state_json_holds_pickle, state_refers_to_a_missing_tensor,
     optimizer_refers_to_a_missing_tensor, state_path_outside, state_path_absolute,
