@@ -132,6 +132,17 @@ def _link_out(c: Path, rel: str) -> Path:
     return path
 
 
+def latest_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "latest")
+    return ["inspect", str(path)], f"error: {path} {LINKED}"
+
+
+def best_linked_out(c: Path) -> tuple[list[str], str]:
+    (c.parent.parent / "outside" / "best").write_text("step-1\n")
+    os.symlink(c.parent.parent / "outside" / "best", c / "best")
+    return ["verify", str(c / "best")], f"error: {c / 'best'} {LINKED}"
+
+
 def model_index_linked_out(c: Path) -> tuple[list[str], str]:
     path = _link_out(c, f"step-2/{INDEX}")
     return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
@@ -271,17 +282,41 @@ def index_format_version_from_the_future(c: Path) -> tuple[list[str], str]:
             + NEWER)
 
 
+# -- item 11: a pointer given to a command is followed, safely -------------------------------
+
+
+def pointer_names_a_missing_step(c: Path) -> tuple[list[str], str]:
+    (c / "latest").write_text("step-9\n")
+    return (["inspect", str(c / "latest")],
+            f"error: {c / 'latest'} names step-9, which does not exist")
+
+
+def pointer_names_no_step(c: Path) -> tuple[list[str], str]:
+    (c / "latest").write_text("hello\n")
+    out = c.parent.parent / "merged"
+    return (["consolidate", str(c / "latest"), str(out)],
+            f"error: {c / 'latest'} does not name a step-N folder ('hello')")
+
+
+def pointer_names_a_step_linked_out(c: Path) -> tuple[list[str], str]:
+    _step_linked_out(c)
+    return (["verify", str(c / "latest")],
+            f"error: {c / 'latest'} names step-7, a link that leaves {c} (not followed; give "
+            "that folder itself)")
+
+
 CASES: list[Callable[[Path], tuple[list[str], str]]] = [
     dtype_is_a_list, committed_at_not_a_number, committed_at_a_list,
     latest_names_a_missing_step, shard_size_dots, shard_size_two_dots, manifest_linked_out,
-    # issue 26 item 4
-    model_index_linked_out, optimizer_index_linked_out, optimizer_json_linked_out,
-    state_json_linked_out, state_tensors_linked_out, latest_is_a_fifo, manifest_is_a_fifo,
-    # issue 26 item 6
+    # issue 26
+    latest_linked_out, best_linked_out, model_index_linked_out, optimizer_index_linked_out,
+    optimizer_json_linked_out, state_json_linked_out, state_tensors_linked_out,
+    latest_is_a_fifo, manifest_is_a_fifo,
     state_json_holds_pickle, state_refers_to_a_missing_tensor,
     optimizer_refers_to_a_missing_tensor, state_path_outside, state_path_absolute,
     dtype_lie_in_header_and_index, manifest_version_from_the_future,
     index_version_from_the_future, index_format_version_from_the_future,
+    pointer_names_a_missing_step, pointer_names_no_step, pointer_names_a_step_linked_out,
 ]
 
 

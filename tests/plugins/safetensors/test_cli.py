@@ -103,3 +103,38 @@ def test_resume_latest_without_checkpoint_is_one_clear_error(tmp_path):
     assert result.returncode == 2, result
     assert "error: no checkpoint found in" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_every_ckpt_command_follows_latest_and_best(cli, tmp_path):
+    """Issue 26 item 11: `latest` and `best` are pointer files; given to inspect, verify,
+    consolidate or ls they name the checkpoint to act on (read through the checked open)."""
+    from st_layouts import build, train_step
+
+    from distrun_safetensors.save import Checkpointer
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    model, opt = build("plain")
+    saver = Checkpointer(str(ckpts))
+    for step in (1, 2):
+        train_step(model, opt, step)
+        saver.save(step, model, opt, {"progress": {"step": step}})
+    (ckpts / "best").write_text("step-1\n")  # as --ckpt-monitor writes it
+    for pointer, step in (("latest", 2), ("best", 1)):
+        path = str(ckpts / pointer)
+        shown = cli("ckpt", "inspect", path)
+        assert shown.returncode == 0, shown
+        assert f"checkpoint {ckpts / f'step-{step}'}" in shown.stdout
+        assert f"  step {step}  reason user" in shown.stdout
+        checked = cli("ckpt", "verify", path)
+        assert checked.returncode == 0, checked
+        assert checked.stdout.startswith(f"OK  {ckpts / f'step-{step}'}: step {step}, ")
+        listed = cli("ckpt", "ls", path)
+        assert listed.returncode == 0, listed
+        lines = listed.stdout.splitlines()
+        assert len(lines) == 1 and lines[0].split()[:3] == (
+            ["*", "step-2", "step"] if step == 2 else ["step-1", "step", "1"]), lines
+        out = tmp_path / f"hf-{pointer}"
+        merged = cli("ckpt", "consolidate", path, str(out))
+        assert merged.returncode == 0, merged
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["step"] == step
