@@ -1,4 +1,5 @@
-"""``distrun ckpt inspect | verify | consolidate | ls``. Torch-free except ``consolidate``.
+"""``distrun ckpt inspect | verify | consolidate | ls | clean``. Torch-free except
+``consolidate``.
 
 Every command takes a checkpoint folder, a ``latest``/``best`` pointer file (followed, read
 through the checked open), a checkpoints folder or a run folder.
@@ -16,6 +17,8 @@ import click
 
 from distrun_safetensors.errors import CheckpointError, NewerFormatError
 from distrun_safetensors.files import DTYPE_SIZES
+from distrun_safetensors.leftovers import find_leftovers
+from distrun_safetensors.leftovers import remove as remove_leftover
 from distrun_safetensors.manifest import (
     BEST,
     LATEST,
@@ -191,10 +194,19 @@ def verify_cmd(path: str) -> None:
         raise CheckpointError(f"{bad} of {len(folders)} checkpoint(s) failed verification")
 
 
+_TIMEOUT = click.option(
+    "--timeout", type=click.FloatRange(min=0), default=300.0, show_default=True,
+    envvar="DISTRUN_TIMEOUT",
+    help="seconds after which a save left by another host counts as abandoned (the run's "
+         "--timeout; DISTRUN_TIMEOUT)")
+
+
 @ckpt.command("ls")
 @click.argument("directory", type=click.Path(exists=True), default=".")
-def ls_cmd(directory: str) -> None:
-    """List the checkpoints of a checkpoint folder (or a run folder), newest first."""
+@_TIMEOUT
+def ls_cmd(directory: str, timeout: float) -> None:
+    """List the checkpoints of a checkpoint folder (or a run folder), newest first, and the
+    saves that never committed."""
     only = _pointer(directory) or (directory if is_checkpoint_folder(directory) else None)
     directory = _checkpoints(directory)
     latest, problem = read_latest(directory)
@@ -211,6 +223,7 @@ def ls_cmd(directory: str) -> None:
         folders, notes, problem = [only], [], None
     for note in notes:
         click.echo(f"warning: {note}", err=True)
+    leftovers = find_leftovers(directory, timeout) if only is None else []
     if not folders:
         click.echo(f"no checkpoints in {directory}")
     best, best_problem = read_pointer(directory, BEST)
@@ -231,6 +244,11 @@ def ls_cmd(directory: str) -> None:
             click.echo(f"{mark} {os.path.basename(folder):<16} NEWER FORMAT: {exc}")
         except CheckpointError as exc:
             click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
+    for left in leftovers:
+        state = "ABANDONED" if left.abandoned else "in progress"
+        click.echo(f"  {os.path.basename(left.path):<16} step {left.step}  {state}: {left.why}")
+    if any(left.abandoned for left in leftovers):
+        click.echo(f"(`distrun ckpt clean {directory}` removes the abandoned saves)")
     if best_problem and only is None:
         click.echo(f"warning: {best_problem}", err=True)
     elif best and not os.path.isdir(best) and only is None:
@@ -239,6 +257,36 @@ def ls_cmd(directory: str) -> None:
                    err=True)
     if problem:
         raise CheckpointError(problem)
+
+
+@ckpt.command("clean")
+@click.argument("directory", type=click.Path(exists=True), default=".")
+@_TIMEOUT
+@click.option("--dry-run", is_flag=True, help="say what would be removed, remove nothing")
+def clean_cmd(directory: str, timeout: float, dry_run: bool) -> None:
+    """Remove the saves that never committed and whose writer is gone (``.tmp-step-N-*``
+    folders and their locks); saves still being written are left alone. Checkpoints are
+    never touched."""
+    directory = _checkpoints(directory)
+    leftovers = find_leftovers(directory, timeout)
+    removed = kept = 0
+    for left in leftovers:
+        name = os.path.basename(left.path)
+        if not left.abandoned:
+            kept += 1
+            click.echo(f"kept {name}: {left.why}")
+        elif dry_run:
+            removed += 1
+            click.echo(f"would remove {name}: {left.why}")
+        elif remove_leftover(left.path):
+            removed += 1
+            click.echo(f"removed {name}: {left.why}")
+        else:
+            kept += 1
+            click.echo(f"kept {name}: its writer came back or it could not be removed")
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{directory}: {verb} {removed} abandoned save(s), kept {kept} in progress"
+               if leftovers else f"{directory}: nothing to clean")
 
 
 def _best_ranks(folders: list[str]) -> dict[str, str]:

@@ -31,6 +31,7 @@ from distrun_safetensors.files import (
     write_json,
     write_safetensors,
 )
+from distrun_safetensors.leftovers import LOCK_SUFFIX, claim
 from distrun_safetensors.manifest import (
     FORMAT,
     LATEST,
@@ -46,19 +47,16 @@ from distrun_safetensors.manifest import (
 )
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
 from distrun_safetensors.retention import (
-    LOCK_SUFFIX,
     Retention,
-    _claim,
     add_record,
     point_best,
     prune,
     replace_pointer,
-    sweep_stale,
 )
 from distrun_safetensors.statecodec import encode
 from distrun_safetensors.validation import check_tensor
 
-__all__ = ["Checkpointer", "Retention", "optimizer_names", "sweep_stale"]
+__all__ = ["Checkpointer", "Retention", "optimizer_names"]
 
 log = logging.getLogger("distrun")
 
@@ -164,7 +162,7 @@ class Checkpointer:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-                self._claims[tmp] = _claim(tmp)
+                self._claims[tmp] = claim(tmp)
                 os.mkdir(tmp)
             except OSError as exc:
                 tmp = {"error": f"cannot create a folder in {self.directory} ({exc.strerror})"}

@@ -97,6 +97,35 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
 
 
 @pytest.mark.slow
+def test_launcher_killed_during_a_save_leaves_a_save_that_clean_removes(tmp_path):
+    """Issue 26 item 8: `kill -9` of the launcher while rank 0 writes the step-2 save (its
+    workers die with it): the temporary folder and its lock stay, `ckpt ls` shows the save
+    ABANDONED and `ckpt clean` removes it, leaving the checkpoints folder as before the save."""
+    import time
+
+    from distrun.launch.lifeline import pid_alive
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    killed = _train(run_dir, "--max-steps", "4", ST_KILL_LAUNCHER_AT="1@0")
+    assert killed.returncode == -9, killed
+    left = sorted(p.name for p in ckpts.iterdir())
+    assert len(left) == 2 and left[0].startswith(".tmp-step-2-") and left[1] == left[0] + ".lock"
+    writer = json.loads((ckpts / left[1]).read_text())["pid"]
+    deadline = time.monotonic() + 60  # the worker dies with its launcher (PR_SET_PDEATHSIG)
+    while pid_alive(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(writer)
+    listing = run_cli("ckpt", "ls", str(run_dir))
+    assert listing.returncode == 0, listing
+    assert f"{left[0]:<16} step 2  ABANDONED: pid {writer} on this host is gone" in listing.stdout
+    cleaned = run_cli("ckpt", "clean", str(run_dir))
+    assert cleaned.returncode == 0, cleaned
+    assert f"removed {left[0]}: pid {writer} on this host is gone" in cleaned.stdout
+    assert os.listdir(ckpts) == []
+
+
+@pytest.mark.slow
 def test_resume_latest_without_checkpoint_is_one_clear_error(tmp_path):
     result = run_cli("run", "--resume", "latest", "--run-dir", str(tmp_path / "empty"),
                      "--max-steps", "1", TASK, env=_env(), timeout=300)
@@ -138,3 +167,11 @@ def test_every_ckpt_command_follows_latest_and_best(cli, tmp_path):
         assert merged.returncode == 0, merged
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert index["metadata"]["step"] == step
+
+
+
+def test_ckpt_commands_but_consolidate_do_not_import_torch():
+    from distrun.testing import imports_torch
+
+    assert not imports_torch("distrun_safetensors.plugin", "distrun_safetensors.cli",
+                             "distrun_safetensors.validation", "distrun_safetensors.leftovers")
