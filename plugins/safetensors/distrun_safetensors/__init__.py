@@ -14,7 +14,7 @@ __all__ = ["CheckpointError", "Checkpointer", "load_checkpoint", "load_weights",
 _LAZY = {"Checkpointer": ("distrun_safetensors.save", "Checkpointer"),
          "load_checkpoint": ("distrun_safetensors.load", "load"),
          "load_weights": ("distrun_safetensors.weights", "load_weights"),
-         "validate": ("distrun_safetensors.manifest", "validate")}
+         "validate": ("distrun_safetensors.validation", "validate")}
 
 
 def __getattr__(name: str) -> Any:

@@ -10,11 +10,13 @@ Torch-free (``distrun ckpt verify`` uses it).
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 from distrun.spec.errors import UsageError
+from distrun_safetensors.paths import open_member
 
 __all__ = ["DEFAULT", "Checksum", "checksum", "file_checksum"]
 
@@ -64,9 +66,10 @@ def checksum(data: bytes, name: str = DEFAULT) -> str:
 
 
 def file_checksum(path: str, name: str = DEFAULT) -> str:
-    """The checksum of a whole file as 8 hex digits."""
+    """The checksum of a whole file as 8 hex digits (read through :func:`open_member`: a file
+    of its folder, never a link out)."""
     c = Checksum(name)
-    with open(path, "rb", buffering=0) as fh:
+    with open_member(os.path.dirname(path), os.path.basename(path)) as fh:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while True:

@@ -1,4 +1,9 @@
-"""``distrun ckpt inspect | verify | consolidate | ls``. Torch-free except ``consolidate``."""
+"""``distrun ckpt inspect | verify | consolidate | ls | clean``. Torch-free except
+``consolidate``.
+
+Every command takes a checkpoint folder, a ``latest``/``best`` pointer file (followed, read
+through the checked open), a checkpoints folder or a run folder.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,13 @@ from typing import Any
 
 import click
 
-from distrun_safetensors.files import DTYPE_SIZES, CheckpointError
+from distrun_safetensors.errors import CheckpointError, NewerFormatError
+from distrun_safetensors.files import DTYPE_SIZES
+from distrun_safetensors.leftovers import find_leftovers
+from distrun_safetensors.leftovers import remove as remove_leftover
 from distrun_safetensors.manifest import (
     BEST,
+    LATEST,
     MODEL_INDEX,
     candidates,
     inside,
@@ -24,8 +33,8 @@ from distrun_safetensors.manifest import (
     read_manifest_quietly,
     read_pointer,
     step_folders,
-    validate,
 )
+from distrun_safetensors.validation import validate
 
 __all__ = ["ckpt"]
 
@@ -61,16 +70,48 @@ def _when(manifest: dict[str, Any]) -> str:
         return "?"
 
 
+def _pointer(path: str) -> str | None:
+    """The folder a ``latest`` or ``best`` pointer file names (read through the checked open,
+    the folder inside the pointer's own folder); None when ``path`` is no pointer file."""
+    name = os.path.basename(os.path.normpath(path))
+    if name not in (LATEST, BEST) or os.path.isdir(path):
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    folder, problem = read_pointer(directory, name)
+    if problem or folder is None:
+        raise CheckpointError(problem or f"{path} is not a pointer file")
+    if not inside(directory, folder):
+        raise CheckpointError(f"{path} names {os.path.basename(folder)}, a link that leaves "
+                              f"{directory} (not followed; give that folder itself)")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{path} names {os.path.basename(folder)}, which does not exist")
+    return os.path.join(os.path.dirname(path), os.path.basename(folder))
+
+
+def _checkpoints(path: str) -> str:
+    """The checkpoints folder of PATH: PATH itself, its ``checkpoints`` (a run folder), or
+    the folder holding PATH when PATH is one checkpoint or a pointer."""
+    if _pointer(path) is not None or is_checkpoint_folder(path):
+        return os.path.dirname(os.path.normpath(path)) or "."
+    nested = os.path.join(path, "checkpoints")
+    if os.path.isdir(nested) and not step_folders(path) and not os.path.lexists(
+            os.path.join(path, LATEST)):
+        return nested
+    return path
+
+
 def _folder(path: str) -> str:
-    """A checkpoint folder: PATH itself, or what ``latest`` (or the newest) names in PATH."""
+    """A checkpoint folder: PATH itself, the one a ``latest``/``best`` pointer PATH names, or
+    what ``latest`` (or the newest) names in PATH (a checkpoints or run folder)."""
+    named = _pointer(path)
+    if named is not None:
+        return named
     if is_checkpoint_folder(path):
         return path
-    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.exists(
-            os.path.join(path, "latest")):
-        path = os.path.join(path, "checkpoints")
-    folders, _ = candidates(path)
+    directory = _checkpoints(path)
+    folders, _ = candidates(directory)
     if not folders:
-        raise CheckpointError(f"no checkpoint in {path}")
+        raise CheckpointError(f"no checkpoint in {directory}")
     return folders[0]
 
 
@@ -123,15 +164,21 @@ def _nbytes(info: dict[str, Any]) -> int:
 @ckpt.command("verify")
 @click.argument("path", type=click.Path(exists=True))
 def verify_cmd(path: str) -> None:
-    """Check completeness, headers and every file's CRC-32 (a folder, or all in a dir)."""
-    if is_checkpoint_folder(path):
-        folders = [path]
-    else:
-        folders, notes = candidates(path)
-        for note in notes:
-            click.echo(f"warning: {note}")
-        if not folders:
-            raise CheckpointError(f"no checkpoint in {path}")
+    """Check a checkpoint as a resume does (manifest, versions, indexes, headers, state files,
+    checksums): one folder (or what a pointer names), or every one of a checkpoints folder."""
+    one = _pointer(path) or (path if is_checkpoint_folder(path) else None)
+    if one is not None:  # one checkpoint: its first problem is the error line
+        c = validate(one, verify=True)
+        total = sum(f["size"] for f in c.manifest["files"].values())
+        click.echo(f"OK  {one}: step {c.step}, {len(c.manifest['files'])} files, "
+                   f"{_human(total)} verified")
+        return
+    directory = _checkpoints(path)
+    folders, notes = candidates(directory)
+    for note in notes:
+        click.echo(f"warning: {note}")
+    if not folders:
+        raise CheckpointError(f"no checkpoint in {directory}")
     bad = 0
     for folder in folders:
         try:
@@ -147,12 +194,21 @@ def verify_cmd(path: str) -> None:
         raise CheckpointError(f"{bad} of {len(folders)} checkpoint(s) failed verification")
 
 
+_TIMEOUT = click.option(
+    "--timeout", type=click.FloatRange(min=0), default=300.0, show_default=True,
+    envvar="DISTRUN_TIMEOUT",
+    help="seconds after which a save left by another host counts as abandoned (the run's "
+         "--timeout; DISTRUN_TIMEOUT)")
+
+
 @ckpt.command("ls")
 @click.argument("directory", type=click.Path(exists=True), default=".")
-def ls_cmd(directory: str) -> None:
-    """List the checkpoints of a checkpoint folder (or a run folder), newest first."""
-    if os.path.isdir(os.path.join(directory, "checkpoints")) and not step_folders(directory):
-        directory = os.path.join(directory, "checkpoints")
+@_TIMEOUT
+def ls_cmd(directory: str, timeout: float) -> None:
+    """List the checkpoints of a checkpoint folder (or a run folder), newest first, and the
+    saves that never committed."""
+    only = _pointer(directory) or (directory if is_checkpoint_folder(directory) else None)
+    directory = _checkpoints(directory)
     latest, problem = read_latest(directory)
     notes = outside_links(directory)
     if latest is not None and not os.path.isdir(latest):
@@ -163,8 +219,11 @@ def ls_cmd(directory: str) -> None:
     elif latest is not None and not inside(directory, latest):
         latest = None  # a link out: the note above says so
     folders = step_folders(directory)
+    if only is not None:  # one checkpoint: its line alone
+        folders, notes, problem = [only], [], None
     for note in notes:
         click.echo(f"warning: {note}", err=True)
+    leftovers = find_leftovers(directory, timeout) if only is None else []
     if not folders:
         click.echo(f"no checkpoints in {directory}")
     best, best_problem = read_pointer(directory, BEST)
@@ -181,16 +240,53 @@ def ls_cmd(directory: str) -> None:
                 tail += "  <- best"
             click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
                        f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}{tail}")
+        except NewerFormatError as exc:  # not damaged: this build is older than the writer
+            click.echo(f"{mark} {os.path.basename(folder):<16} NEWER FORMAT: {exc}")
         except CheckpointError as exc:
             click.echo(f"{mark} {os.path.basename(folder):<16} DAMAGED: {exc}")
-    if best_problem:
+    for left in leftovers:
+        state = "ABANDONED" if left.abandoned else "in progress"
+        click.echo(f"  {os.path.basename(left.path):<16} step {left.step}  {state}: {left.why}")
+    if any(left.abandoned for left in leftovers):
+        click.echo(f"(`distrun ckpt clean {directory}` removes the abandoned saves)")
+    if best_problem and only is None:
         click.echo(f"warning: {best_problem}", err=True)
-    elif best and not os.path.isdir(best):
+    elif best and not os.path.isdir(best) and only is None:
         click.echo(f"warning: {os.path.join(directory, BEST)} names {os.path.basename(best)}, "
                    "which does not exist (--resume best falls back to the best valid one)",
                    err=True)
     if problem:
         raise CheckpointError(problem)
+
+
+@ckpt.command("clean")
+@click.argument("directory", type=click.Path(exists=True), default=".")
+@_TIMEOUT
+@click.option("--dry-run", is_flag=True, help="say what would be removed, remove nothing")
+def clean_cmd(directory: str, timeout: float, dry_run: bool) -> None:
+    """Remove the saves that never committed and whose writer is gone (``.tmp-step-N-*``
+    folders and their locks); saves still being written are left alone. Checkpoints are
+    never touched."""
+    directory = _checkpoints(directory)
+    leftovers = find_leftovers(directory, timeout)
+    removed = kept = 0
+    for left in leftovers:
+        name = os.path.basename(left.path)
+        if not left.abandoned:
+            kept += 1
+            click.echo(f"kept {name}: {left.why}")
+        elif dry_run:
+            removed += 1
+            click.echo(f"would remove {name}: {left.why}")
+        elif remove_leftover(left.path):
+            removed += 1
+            click.echo(f"removed {name}: {left.why}")
+        else:
+            kept += 1
+            click.echo(f"kept {name}: its writer came back or it could not be removed")
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{directory}: {verb} {removed} abandoned save(s), kept {kept} in progress"
+               if leftovers else f"{directory}: nothing to clean")
 
 
 def _best_ranks(folders: list[str]) -> dict[str, str]:

@@ -40,8 +40,9 @@ def gather(obj: Any, group: Any = None) -> list[Any] | None:
     return out
 
 
-def agree(error: str | None, group: Any = None) -> str | None:
-    """The first rank's error message if any rank has one, the same on every rank."""
+def agree(error: Any, group: Any = None) -> Any:
+    """The first rank's error (a message, or any picklable value) if any rank has one, the
+    same on every rank; None when none has."""
     if not active(group):
         return error
     out: list[Any] = [None] * dist.get_world_size(group)

@@ -17,8 +17,9 @@ from distrun_safetensors.files import (
     write_json,
     write_safetensors,
 )
-from distrun_safetensors.manifest import MODEL_INDEX, validate
+from distrun_safetensors.manifest import MODEL_INDEX
 from distrun_safetensors.pieces import DTYPES, read_box
+from distrun_safetensors.validation import validate
 
 __all__ = ["consolidate"]
 

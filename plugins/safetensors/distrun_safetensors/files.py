@@ -10,13 +10,13 @@ import errno
 import fcntl
 import json
 import os
-import re
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from distrun.spec.errors import UsageError
 from distrun_safetensors.checksums import DEFAULT, Checksum, checksum
+from distrun_safetensors.errors import CheckpointError
+from distrun_safetensors.paths import checked_path, member, open_member
 
 __all__ = ["DTYPE_SIZES", "CheckpointError", "fsync_dir", "member",
            "read_header", "write_json", "write_safetensors"]
@@ -29,12 +29,6 @@ DTYPE_SIZES = {
 #: safetensors' own limit on the JSON header
 HEADER_LIMIT = 100 * 1024 * 1024
 _CHUNK = 16 * 1024 * 1024
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class CheckpointError(UsageError):
-    """A checkpoint is missing, torn, corrupted or does not fit the model (exit code 2)."""
-
 
 # -- observers of a save's durable points (tracing; the kill -9 tests stop a process there) ---
 
@@ -57,20 +51,6 @@ def durable(what: str) -> None:
 
 
 # -- paths -------------------------------------------------------------------------------------
-
-
-def member(folder: str, name: Any) -> str:
-    """The path of file ``name`` inside ``folder``; refuse anything that could leave it."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
-        raise CheckpointError(
-            f"{folder}: file name {name!r} in the checkpoint is not a plain file name inside "
-            "the folder (refusing to read outside the checkpoint)")
-    path = os.path.join(folder, name)
-    real_folder = os.path.realpath(folder)
-    if os.path.dirname(os.path.realpath(path)) != real_folder:
-        raise CheckpointError(
-            f"{path} is a link that leaves the checkpoint folder (refusing to read it)")
-    return path
 
 
 def fsync_dir(path: str) -> None:
@@ -257,8 +237,8 @@ def read_header(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     shapes or leave holes, a data section of the wrong length.
     """
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
+        with open_member(os.path.dirname(path), os.path.basename(path)) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated (shorter than the 8-byte header length)")
@@ -319,7 +299,8 @@ class FileReader:
         self.path = path
         self.header, meta = read_header(path)
         self.start = meta["__data_start__"]
-        self.fd = os.open(path, os.O_RDONLY)
+        self._file = open_member(os.path.dirname(path), os.path.basename(path))
+        self.fd = self._file.fileno()
         self._st: Any = None
         self._st_ctx: Any = None
         #: tensor bytes read so far (both paths), for reporting and tests
@@ -343,7 +324,9 @@ class FileReader:
         if self._st is None:
             from safetensors import safe_open
 
-            self._st_ctx = safe_open(self.path, framework="pt", device="cpu")
+            self._st_ctx = safe_open(checked_path(os.path.dirname(self.path),
+                                                  os.path.basename(self.path)),
+                                     framework="pt", device="cpu")
             self._st = self._st_ctx.__enter__()
         return self._st
 
@@ -352,7 +335,7 @@ class FileReader:
             self._st_ctx.__exit__(None, None, None)
             self._st = self._st_ctx = None
         if self.fd >= 0:
-            os.close(self.fd)
+            self._file.close()
             self.fd = -1
 
 

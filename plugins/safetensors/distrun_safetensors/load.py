@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from distrun_safetensors import comm
+from distrun_safetensors.errors import NewerFormatError
 from distrun_safetensors.files import CheckpointError, FileReaders
 from distrun_safetensors.manifest import (
     BEST,
@@ -23,12 +24,12 @@ from distrun_safetensors.manifest import (
     best_candidates,
     candidates,
     is_checkpoint_folder,
-    state_files,
-    validate,
 )
+from distrun_safetensors.paths import checked_path, read_member
 from distrun_safetensors.pieces import DTYPES, box_of, covered, is_dtensor, read_box
 from distrun_safetensors.save import optimizer_names
 from distrun_safetensors.statecodec import decode
+from distrun_safetensors.validation import validate
 
 __all__ = ["LoadResult", "load", "resolve_source"]
 
@@ -88,20 +89,26 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST) -> 
             log.warning("checkpoint: %s; looking for the %s valid checkpoint", note,
                         "best" if pointer == BEST else "newest")
     for folder in folders:
-        ckpt, error = None, None
+        ckpt: Checkpoint | None = None
+        error: tuple[str, str] | None = None
         try:
             ckpt = validate(folder, rank, world, verify)
+        except NewerFormatError as exc:  # not damaged: never skipped for an older one
+            error = ("newer", str(exc))
         except CheckpointError as exc:
-            error = str(exc)
+            error = ("bad", str(exc))
         except Exception as exc:  # malformed beyond what the checks name: still no hang
-            error = f"{folder}: unreadable ({type(exc).__name__}: {exc})"
+            error = ("bad", f"{folder}: unreadable ({type(exc).__name__}: {exc})")
         error = comm.agree(error)
         if error is None:
             return ckpt
+        kind, message = error
+        if kind == "newer":
+            raise NewerFormatError(message)
         if explicit:
-            raise CheckpointError(error)
+            raise CheckpointError(message)
         if rank == 0:
-            log.warning("checkpoint: skipping %s: %s", folder, error)
+            log.warning("checkpoint: skipping %s: %s", folder, message)
     where = ckpt_dir if source in ("auto", "latest") else source
     if folders:
         raise CheckpointError(f"no valid checkpoint in {where}: all {len(folders)} are damaged "
@@ -155,10 +162,6 @@ def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> s
         if saved != now:
             return (f"{ckpt.folder}: the optimizer's parameter groups differ from the saved ones "
                     f"(saved {_brief(saved)}, now {_brief(now)})")
-        for entry in ckpt.optimizer.get("state", {}).values():
-            for v in entry.values():
-                if isinstance(v, dict) and "__tensor__" in v and v["__tensor__"] not in ckpt.optim:
-                    return f"{ckpt.folder}: optimizer tensor {v['__tensor__']!r} is not stored"
     return None
 
 
@@ -260,27 +263,21 @@ def _load_optimizer(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any,
 
 
 def _load_state(ckpt: Checkpoint, stack: ExitStack) -> dict[str, Any]:
+    """This rank's contributed state (rank 0's at another world size), from the state files
+    :func:`validate` checked (names, and that the JSON is data referring to stored tensors)."""
     rank, world = comm.rank_world()
-    saved = ckpt.manifest.get("states", {})
-    files = saved.get("files") or []
-    if not files:
+    if not ckpt.states:
         return {}
-    source_rank = rank if saved.get("world_size") == world and rank < len(files) else 0
-    ref = files[source_rank]
-    json_name, tensor_name = state_files(source_rank)
-    if ref.get("json") != json_name or ref.get("tensors") not in (None, tensor_name):
-        raise CheckpointError(f"{ckpt.folder}: the manifest's state files for rank "
-                              f"{source_rank} are misnamed")
+    json_name, tensor_name = ckpt.states[rank if len(ckpt.states) == world else 0]
     import json
 
-    with open(ckpt.path(json_name), "rb") as fh:
-        data = json.loads(fh.read())
+    data = json.loads(read_member(ckpt.folder, json_name, 1 << 30, "state"))
     getter = None
-    if ref.get("tensors"):
+    if tensor_name is not None:
         from safetensors import safe_open
 
-        handle = stack.enter_context(safe_open(ckpt.path(tensor_name), framework="pt",
-                                               device="cpu"))
+        handle = stack.enter_context(safe_open(checked_path(ckpt.folder, tensor_name),
+                                               framework="pt", device="cpu"))
 
         def getter(key: str) -> torch.Tensor:
             return handle.get_tensor(key)

@@ -12,11 +12,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun_safetensors.checksums import checksum, file_checksum
-from distrun_safetensors.files import DTYPE_SIZES, CheckpointError, member, read_header
+from distrun_safetensors.checksums import checksum
+from distrun_safetensors.errors import CheckpointError, NewerFormatError
+from distrun_safetensors.paths import member, read_member
 
-__all__ = ["FORMAT", "VERSION", "Checkpoint", "best_candidates", "candidates", "inside",
-           "monitor_record", "outside_links", "read_latest", "read_pointer", "validate"]
+__all__ = ["FORMAT", "VERSION", "Checkpoint", "best_candidates", "candidates", "check_version",
+           "inside", "monitor_record", "outside_links", "read_json", "read_latest",
+           "read_manifest", "read_pointer"]
 
 FORMAT = "distrun-safetensors"
 #: 2: files are checked with CRC-32C (the manifest's ``checksum``); 1: zlib's CRC-32
@@ -30,6 +32,8 @@ LATEST = "latest"
 BEST = "best"
 #: the manifest key recording the monitored metric of a checkpoint
 MONITOR = "monitor"
+#: the manifest key recording, per index file, each tensor's ``"<dtype>[<shape>]"``
+TENSORS = "tensors"
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
 #: leaves it as the newest valid one; the next commit removes it)
@@ -54,6 +58,8 @@ class Checkpoint:
     model: dict[str, dict[str, Any]] = field(default_factory=dict)
     optim: dict[str, dict[str, Any]] = field(default_factory=dict)
     optimizer: dict[str, Any] | None = None
+    #: per saved rank: (its state JSON file, its state tensors file or None)
+    states: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -76,14 +82,14 @@ class Checkpoint:
 # -- reading the small JSON files ----------------------------------------------------------------
 
 
-def _read_json(path: str, what: str, expect: dict[str, Any] | None = None,
-               verify: bool = True, algorithm: str = "crc32") -> Any:
+def read_json(folder: str, name: str, what: str, expect: dict[str, Any] | None = None,
+              verify: bool = True, algorithm: str = "crc32") -> Any:
+    """The JSON object in file ``name`` of ``folder`` (read through
+    :func:`~distrun_safetensors.paths.read_member`), checked against the manifest's ``expect``
+    (``{"size", <algorithm>}``) first; :class:`CheckpointError` naming the file otherwise."""
+    path = os.path.join(folder, name)
     try:
-        size = os.path.getsize(path)
-        if size > _JSON_LIMIT:
-            raise CheckpointError(f"{path}: {what} is {size} bytes, too large to be one")
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_member(folder, name, _JSON_LIMIT, what)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} is missing") from None
     except OSError as exc:
@@ -98,9 +104,23 @@ def _read_json(path: str, what: str, expect: dict[str, Any] | None = None,
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError):
         raise CheckpointError(f"{path}: {what} is not valid JSON (corrupted)") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} is nested too deeply to be one") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object")
     return obj
+
+
+def check_version(path: str, version: Any, what: str = "format version") -> None:
+    """Refuse a version this build does not read: malformed, or newer than :data:`VERSION`
+    (:class:`NewerFormatError`, which ``latest``/``auto`` never skip)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{path}: {what} {str(version)[:40]!r} is not a version number "
+                              f"(this build reads 1 to {VERSION})")
+    if version > VERSION:
+        raise NewerFormatError(
+            f"{path}: {what} {version} was written by a newer distrun-safetensors; this build "
+            f"reads versions 1 to {VERSION} (pip install -U distrun-safetensors)")
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
@@ -108,17 +128,13 @@ def read_manifest(folder: str) -> dict[str, Any]:
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory)")
     path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path} is missing: {folder} is not a committed checkpoint "
                               "(a torn save or another tool's folder)")
-    path = member(folder, MANIFEST)
-    manifest = _read_json(path, "manifest")
+    manifest = read_json(folder, MANIFEST, "manifest")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
-    version = manifest.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise CheckpointError(f"{path}: format version {version!r} is newer than this plugin "
-                              f"reads ({VERSION}); upgrade distrun-safetensors")
+    check_version(path, manifest.get("version"))
     files = manifest.get("files")
     ok = (isinstance(files, dict) and isinstance(manifest.get("step"), int)
           and isinstance(manifest.get("world_size"), int) and manifest["world_size"] >= 1
@@ -132,123 +148,6 @@ def read_manifest(folder: str) -> dict[str, Any]:
     for name in files:
         member(folder, name)
     return manifest
-
-
-def _check_index(folder: str, name: str, index: dict[str, Any],
-                 files: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    where = os.path.join(folder, name)
-    if not isinstance(index.get("weight_map"), dict) or not isinstance(index.get("distrun"), dict):
-        raise CheckpointError(f"{where}: index has no weight_map or distrun section")
-    for key, fname in index["weight_map"].items():
-        if fname not in files:
-            member(folder, fname)  # a path that escapes gets its own message first
-            raise CheckpointError(f"{where}: weight_map entry {key!r} names {fname!r}, which "
-                                  "is not a file of this checkpoint")
-    tensors = index["distrun"].get("tensors")
-    if not isinstance(tensors, dict):
-        raise CheckpointError(f"{where}: distrun.tensors is missing")
-    for tname, info in tensors.items():
-        _check_tensor(where, tname, info, files)
-    return tensors
-
-
-def _check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> None:
-    bad = f"{where}: tensor {name!r}"
-    if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
-            and info["dtype"] in DTYPE_SIZES
-            and isinstance(info.get("shape"), list)
-            and all(isinstance(d, int) and d >= 0 for d in info["shape"])
-            and isinstance(info.get("pieces"), list)):
-        raise CheckpointError(f"{bad} is described badly (dtype, shape or pieces)")
-    shape = info["shape"]
-    numel = _prod(shape)
-    covered = 0
-    boxes = []
-    for piece in info["pieces"]:
-        if not (isinstance(piece, dict) and piece.get("file") in files
-                and isinstance(piece.get("key"), str)
-                and _int_list(piece.get("offsets"), len(shape))
-                and _int_list(piece.get("shape"), len(shape))):
-            raise CheckpointError(f"{bad} has a malformed piece {piece!r}")
-        box = list(zip(piece["offsets"], piece["shape"], strict=False))
-        if any(o < 0 or o + s > g for (o, s), g in zip(box, shape, strict=False)):
-            raise CheckpointError(f"{bad}: piece {piece['key']!r} lies outside shape {shape}")
-        covered += _prod(piece["shape"])
-        boxes.append(box)
-    if covered != numel:
-        raise CheckpointError(f"{bad}: its pieces hold {covered} of {numel} elements")
-    if len(boxes) <= 256:
-        for i, a in enumerate(boxes):
-            for b in boxes[:i]:
-                if all(x[0] < y[0] + y[1] and y[0] < x[0] + x[1] for x, y in zip(a, b, strict=False)) \
-                        and _prod([s for _, s in a]) and _prod([s for _, s in b]):
-                    raise CheckpointError(f"{bad}: two pieces overlap")
-
-
-def _int_list(value: Any, n: int) -> bool:
-    return isinstance(value, list) and len(value) == n and all(
-        isinstance(v, int) and v >= 0 for v in value)
-
-
-def _prod(values: Any) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-# -- validation ----------------------------------------------------------------------------------
-
-
-def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) -> Checkpoint:
-    """Check a checkpoint folder; raise :class:`CheckpointError` naming the first bad file.
-
-    Every caller checks the manifest, the indexes and every file's size. The big files are
-    split among ``world`` callers (``rank`` checks files ``rank, rank + world, ...``): their
-    headers against the indexes and, with ``verify``, their checksums. Together the ranks read
-    each byte once.
-    """
-    manifest = read_manifest(folder)
-    files = manifest["files"]
-    ckpt = Checkpoint(folder=folder, manifest=manifest)
-    for name, info in files.items():
-        path = member(folder, name)
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            raise CheckpointError(f"{path} is missing (the manifest lists it)") from None
-        if size != info["size"]:
-            raise CheckpointError(f"{path} is {size} bytes, the manifest says {info['size']} "
-                                  "(truncated or replaced)")
-    for name, attr in ((MODEL_INDEX, "model"), (OPTIM_INDEX, "optim")):
-        if name in files:
-            index = _read_json(member(folder, name), "index", files[name], verify, ckpt.checksum)
-            setattr(ckpt, attr, _check_index(folder, name, index, files))
-    if OPTIM_JSON in files:
-        ckpt.optimizer = _read_json(member(folder, OPTIM_JSON), "optimizer state",
-                                    files[OPTIM_JSON], verify, ckpt.checksum)
-    expected: dict[str, dict[str, tuple[str, list[int]]]] = {}
-    for tensors in (ckpt.model, ckpt.optim):
-        for info in tensors.values():
-            for piece in info["pieces"]:
-                expected.setdefault(piece["file"], {})[piece["key"]] = (
-                    info["dtype"], piece["shape"])
-    for name in sorted(files)[rank::world]:
-        path = member(folder, name)
-        if verify and files[name].get(ckpt.checksum) != file_checksum(path, ckpt.checksum):
-            raise CheckpointError(f"{path}: checksum mismatch (corrupted file)")
-        if not name.endswith(".safetensors"):
-            continue
-        header, _ = read_header(path)
-        for key, (dtype, shape) in expected.get(name, {}).items():
-            got = header.get(key)
-            if got is None:
-                raise CheckpointError(f"{path}: tensor {key!r} named by the index is missing")
-            if got["dtype"] != dtype or got["shape"] != shape:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} is {got['dtype']}{got['shape']} but the index "
-                    f"says {dtype}{shape}")
-    return ckpt
 
 
 # -- discovery -----------------------------------------------------------------------------------
@@ -266,9 +165,10 @@ def read_pointer(ckpt_dir: str, name: str) -> tuple[str | None, str | None]:
     if not os.path.lexists(path):
         return None, None
     try:
-        with open(member(ckpt_dir, name)) as fh:
-            target = fh.read(256).strip()
-    except (OSError, UnicodeDecodeError, CheckpointError) as exc:
+        target = read_member(ckpt_dir, name, 256, "the pointer").decode().strip()
+    except CheckpointError as exc:
+        return None, str(exc)
+    except (OSError, UnicodeDecodeError) as exc:
         return None, f"{path} is unreadable ({exc})"
     if not STEP_RE.match(target):
         return None, f"{path} does not name a step-N folder ({target[:40]!r})"
@@ -279,9 +179,8 @@ def read_manifest_quietly(folder: str) -> dict[str, Any] | None:
     """The parsed manifest of ``folder``, or None when it is missing or unreadable (listing
     and retention only: loading validates)."""
     try:
-        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
-            manifest = json.loads(fh.read(1 << 20))
-    except (OSError, ValueError, CheckpointError):
+        manifest = json.loads(read_member(folder, MANIFEST, _JSON_LIMIT))
+    except (OSError, ValueError, RecursionError, CheckpointError):
         return None
     return manifest if isinstance(manifest, dict) else None
 
@@ -338,11 +237,10 @@ def best_candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
 
 
 def committed_at(folder: str) -> float:
-    try:
-        with open(member(folder, MANIFEST), "rb") as fh:  # never through a link that leaves
-            value = json.loads(fh.read(1 << 20)).get("committed_at", 0.0)
-    except (OSError, ValueError, AttributeError, CheckpointError):
+    manifest = read_manifest_quietly(folder)  # never through a link that leaves
+    if manifest is None:
         return -1.0
+    value = manifest.get("committed_at", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return -1.0
     return float(value)

@@ -120,9 +120,9 @@ def distrun_on_fit_start(run):
     if run.config.get("init_weights", "") and run.model is not None:
         _init_weights(run)
     if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start
-        from distrun_safetensors.save import sweep_stale
+        from distrun_safetensors.leftovers import sweep_stale
 
-        for path in sweep_stale(ckpt_dir(run)):
+        for path in sweep_stale(ckpt_dir(run), timeout=run.config.timeout):
             run.log.info("Removed %s, left by a save that did not finish", path)
     every, seconds = run.config.ckpt_every_n_steps, run.config.ckpt_every_n_seconds
     if every or seconds:  # a run without a save cadence has no per-step hook of ours

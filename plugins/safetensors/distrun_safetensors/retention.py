@@ -1,14 +1,12 @@
 """What stays in a checkpoint folder: the ``latest``/``best`` pointers, the monitored value in a
-committed manifest, pruning (``keep_last``, the best k) and the leftovers of killed saves.
+committed manifest, pruning (``keep_last``, the best k) and the leftovers of killed saves
+(through :mod:`~distrun_safetensors.leftovers`).
 
 Rank 0 runs all of it, after a commit (see FORMAT.md, commit protocol). Torch-free.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import shutil
 import uuid
@@ -16,18 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from distrun_safetensors.files import durable, fsync_dir, member, write_json
+from distrun_safetensors.leftovers import sweep_stale
 from distrun_safetensors.manifest import (
     BEST,
     MANIFEST,
     MONITOR,
     monitor_record,
+    read_json,
     read_manifest_quietly,
     read_pointer,
     step_folders,
 )
 
-__all__ = ["LOCK_SUFFIX", "Retention", "add_record", "point_best", "prune", "replace_pointer",
-           "sweep_stale"]
+__all__ = ["Retention", "add_record", "point_best", "prune", "replace_pointer"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,7 @@ def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
     is written beside the step folders, fsynced and renamed over the old one (a crash leaves
     one or the other)."""
     path = member(folder, MANIFEST)
-    with open(path, "rb") as fh:
-        manifest = json.loads(fh.read())
+    manifest = read_json(folder, MANIFEST, "manifest")
     manifest[MONITOR] = record
     tmp = os.path.join(directory, f".manifest-{uuid.uuid4().hex[:8]}")
     write_json(tmp, manifest)
@@ -130,62 +128,3 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
     for folder in drop:
         shutil.rmtree(folder, ignore_errors=True)
         durable(f"pruned {folder}")
-
-
-#: next to each temporary folder: a file its writer holds an exclusive flock on
-LOCK_SUFFIX = ".lock"
-
-
-def _claim(tmp: str) -> int:
-    """Lock ``tmp``'s lock file for this process (before the folder exists); return the fd.
-
-    The kernel drops the lock when the process dies, however it dies, so a sweeper can tell a
-    folder whose writer is gone from one another live run is still writing.
-    """
-    fd = os.open(tmp + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def sweep_stale(directory: str) -> list[str]:
-    """Remove the temporary folders in ``directory`` whose writer is gone; return them.
-
-    Safe when several runs share the folder: a folder whose lock is held is left alone.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(directory, name)
-        if not name.startswith(".tmp-step-") or name.endswith(LOCK_SUFFIX):
-            continue
-        try:
-            fd = os.open(path + LOCK_SUFFIX, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: a live save of this or another run
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            os.unlink(path + LOCK_SUFFIX)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    # a lock file whose folder is gone (the writer died before mkdir, or after the sweep above)
-    for name in names:
-        if name.startswith(".tmp-step-") and name.endswith(LOCK_SUFFIX) \
-                and not os.path.isdir(os.path.join(directory, name[:-len(LOCK_SUFFIX)])):
-            lock = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                fd = os.open(lock, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    os.unlink(lock)
-                finally:
-                    os.close(fd)
-    return removed

@@ -31,6 +31,7 @@ from distrun_safetensors.files import (
     write_json,
     write_safetensors,
 )
+from distrun_safetensors.leftovers import LOCK_SUFFIX, claim
 from distrun_safetensors.manifest import (
     FORMAT,
     LATEST,
@@ -39,25 +40,23 @@ from distrun_safetensors.manifest import (
     MONITOR,
     OPTIM_INDEX,
     OPTIM_JSON,
+    TENSORS,
     VERSION,
-    _check_tensor,  # noqa: I001
     data_file,
     state_files,
 )
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
 from distrun_safetensors.retention import (
-    LOCK_SUFFIX,
     Retention,
-    _claim,
     add_record,
     point_best,
     prune,
     replace_pointer,
-    sweep_stale,
 )
 from distrun_safetensors.statecodec import encode
+from distrun_safetensors.validation import check_tensor
 
-__all__ = ["Checkpointer", "Retention", "optimizer_names", "sweep_stale"]
+__all__ = ["Checkpointer", "Retention", "optimizer_names"]
 
 log = logging.getLogger("distrun")
 
@@ -163,7 +162,7 @@ class Checkpointer:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-                self._claims[tmp] = _claim(tmp)
+                self._claims[tmp] = claim(tmp)
                 os.mkdir(tmp)
             except OSError as exc:
                 tmp = {"error": f"cannot create a folder in {self.directory} ({exc.strerror})"}
@@ -324,19 +323,23 @@ class Checkpointer:
                                        key=lambda kv: order.get(kv[0], len(order))))
         for kind in ("model", "optim"):
             for name, info in indexes[kind].items():
-                _check_tensor(f"{kind} pieces", name, info, files)
+                check_tensor(f"{kind} pieces", name, info, files)
         if job["optim_meta"] is not None:
             files[OPTIM_JSON] = write_json(os.path.join(tmp, OPTIM_JSON), job["optim_meta"])
+        record: dict[str, dict[str, str]] = {}
         for kind, name in (("model", MODEL_INDEX), ("optim", OPTIM_INDEX)):
             if kind == "optim" and job["optim_meta"] is None:
                 continue
             files[name] = write_json(os.path.join(tmp, name), _hf_index(indexes[kind]))
+            record[name] = {t: f"{info['dtype']}{info['shape']}"
+                            for t, info in indexes[kind].items()}
         manifest = {
             "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
             "committed_at": time.time(), "world_size": job["world"],
             "meshes": job["meshes"], "checksum": CHECKSUM, "files": files,
             "states": {"world_size": job["world"],
                        "files": [r["state_files"] for r in reports]},
+            TENSORS: record,
             **job["info"],
         }
         write_json(os.path.join(tmp, MANIFEST), manifest)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distrun import UsageError
-from distrun_safetensors.files import member, read_header
+from distrun_safetensors.files import read_header
+from distrun_safetensors.paths import checked_path, member, read_member
 
 __all__ = ["WeightsResult", "find_weights", "load_weights", "parse_prefix"]
 
@@ -109,14 +110,14 @@ def find_weights(path: str) -> Source:
             raise UsageError(f"--init-weights {path} is a distrun checkpoint, not Hugging Face "
                              "weights: resume it with --resume PATH, or export its weights with "
                              "`distrun ckpt consolidate PATH OUT` and give OUT")
-        if os.path.exists(os.path.join(path, INDEX)):
-            return _from_index(os.path.join(path, INDEX), path)
-        if os.path.exists(os.path.join(path, SINGLE)):
+        if os.path.lexists(os.path.join(path, INDEX)):
+            return _from_index(path, INDEX, path)
+        if os.path.lexists(os.path.join(path, SINGLE)):
             return _from_files(path, path, [SINGLE])
         raise UsageError(f"--init-weights {path}: the folder has neither {INDEX} nor {SINGLE} "
                          "(give the folder save_pretrained wrote, or a .safetensors file)")
     if path.endswith(".index.json"):
-        return _from_index(path)
+        return _from_index(os.path.dirname(os.path.abspath(path)), os.path.basename(path), path)
     if path.endswith(".safetensors"):
         folder = os.path.dirname(os.path.abspath(path))
         return _from_files(path, folder, [os.path.basename(path)])
@@ -124,14 +125,16 @@ def find_weights(path: str) -> Source:
                      "(give the folder save_pretrained wrote, or a .safetensors file)")
 
 
-def _from_index(index_path: str, shown: str = "") -> Source:
-    folder = os.path.dirname(os.path.abspath(index_path))
-    try:
-        with open(index_path, "rb") as fh:
-            index = json.loads(fh.read(256 * 1024 * 1024))
+def _from_index(folder: str, name: str, shown: str = "") -> Source:
+    index_path = os.path.join(folder, name)
+    try:  # through the one checked open: never a link out of the folder, never a FIFO
+        index = json.loads(read_member(folder, name, 256 * 1024 * 1024, "the index",
+                                       kind="weights"))
+    except UsageError as exc:
+        raise UsageError(f"--init-weights {shown or index_path}: {exc}") from None
     except OSError as exc:
         raise UsageError(f"--init-weights {index_path}: cannot read it ({exc.strerror})") from None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise UsageError(f"--init-weights {index_path} is not valid JSON") from None
     if isinstance(index, dict) and "distrun" in index:
         raise UsageError(f"--init-weights {index_path} indexes a distrun checkpoint, not Hugging "
@@ -161,12 +164,15 @@ def _from_files(shown: str, folder: str, shards: list[str]) -> Source:
     tensors: dict[str, tuple[str, str, list[int], int]] = {}
     for shard in shards:
         try:
-            path = member(folder, shard)
+            path = member(folder, shard, kind="weights")
         except UsageError as exc:
             raise UsageError(f"--init-weights {shown}: {exc}") from None
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise UsageError(f"--init-weights {path} is missing (the index names it)")
-        header, _ = read_header(path)  # one line naming the file if it is not safetensors
+        try:  # one line naming the file if it is not a regular safetensors file
+            header, _ = read_header(path)
+        except UsageError as exc:
+            raise UsageError(f"--init-weights {shown}: {exc}") from None
         files[shard] = path
         for key, info in header.items():
             if key in tensors:
@@ -301,7 +307,8 @@ def load_weights(path: str, model: Any, *, prefix: str = "", strict: bool = True
             open_now += 1
             result.max_open = max(result.max_open, open_now)
             result.files_opened.append(shard)
-            with safe_open(source.files[shard], framework="pt", device="cpu") as fh:
+            path = checked_path(os.path.dirname(source.files[shard]), shard, "weights")
+            with safe_open(path, framework="pt", device="cpu") as fh:
                 for fn in tuple(_observers):
                     fn(source.files[shard])
                 for key, name in items:

@@ -3,7 +3,8 @@
 ``st_ddp`` is the base strategy plus a gradient all-reduce (a replica per rank, like DDP);
 ``st_fsdp`` shards the model with FSDP2's ``fully_shard`` (DTensor Shard(0) parameters).
 Loaded with ``DISTRUN_PLUGINS=st_plugin`` or ``Trainer(plugins=(st_plugin,))``.
-``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end;
+``ST_KILL_AT=k@rank`` / ``ST_KILL_LAUNCHER_AT=k@rank`` kill (-9) that rank / its launcher at
+the k-th durable point of the rank's saves. ``ST_SAVE=path`` makes rank 0 write the final full weights there (safetensors) at fit end;
 ``ST_DUMP=path`` the full model and optimizer tensors; ``ST_DUMP_START=path`` the full model
 tensors at the start of the fit (after --init-weights or a resume). ``ST_LOAD_ALL=ckpt1,ckpt2,...`` with
 ``ST_OUT=dir`` loads each checkpoint through the hooks at fit start, dumps the full tensors to
@@ -59,8 +60,8 @@ def _make_fsdp(config):
     return ShardStrategy(config)
 
 
-def kill_at(k: int) -> None:
-    """SIGKILL this process at the k-th durable point of its checkpoint saves."""
+def kill_at(k: int, pid: int | None = None) -> None:
+    """SIGKILL this process (or ``pid``) at the k-th durable point of its checkpoint saves."""
     import signal
 
     from distrun_safetensors.files import observe_durable
@@ -70,19 +71,23 @@ def kill_at(k: int) -> None:
     def count(what: str) -> None:
         seen[0] += 1
         if seen[0] == k:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(pid or os.getpid(), signal.SIGKILL)
 
     observe_durable(count)
 
 
 @hookimpl
 def distrun_configure(config):
-    # ST_KILL_AT=k@rank: that rank dies at the k-th durable point of its saves
-    spec = os.environ.get("ST_KILL_AT")
-    if spec:
-        at, _, rank = spec.partition("@")
-        if not rank or rank == os.environ.get("RANK", "0"):
-            kill_at(int(at))
+    # ST_KILL_AT=k@rank: that rank dies at the k-th durable point of its saves;
+    # ST_KILL_LAUNCHER_AT=k@rank: that rank kills its launcher (kill -9) there instead
+    for name in ("ST_KILL_AT", "ST_KILL_LAUNCHER_AT"):
+        spec = os.environ.get(name)
+        if spec:
+            at, _, rank = spec.partition("@")
+            if not rank or rank == os.environ.get("RANK", "0"):
+                launcher = int(os.environ["DISTRUN_LAUNCHER_PID"]) if "LAUNCHER" in name \
+                    else None
+                kill_at(int(at), launcher)
 
 
 @hookimpl

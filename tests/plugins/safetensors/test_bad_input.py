@@ -137,9 +137,83 @@ def missing_manifest(folder):
     return "manifest.json is missing"
 
 
+# -- issue 26: every file of the folder linked out; what verify now refuses, resume refuses ---
+
+
+def _linked_out(name):
+    def damage(folder):
+        outside = os.path.join(os.path.dirname(os.path.dirname(folder)), name)
+        os.replace(os.path.join(folder, name), outside)
+        os.symlink(outside, os.path.join(folder, name))
+        return f"{name} is a link that leaves the checkpoint folder"
+
+    damage.__name__ = f"linked_out_{name.replace('.', '_').replace('-', '_')}"
+    return damage
+
+
+def _edit_json(folder, name, fn):
+    path = os.path.join(folder, name)
+    data = json.loads(Path(path).read_text())
+    fn(data)
+    Path(path).write_text(json.dumps(data))
+    if name != "manifest.json":
+        reseal(folder, name)
+
+
+def state_holds_pickle(folder):
+    import pickle
+
+    Path(folder, "state-00000.json").write_bytes(pickle.dumps({"progress": {"step": 1}}))
+    reseal(folder, "state-00000.json")
+    return "state-00000.json: state is not valid JSON (corrupted)"
+
+
+def state_bad_tensor_reference(folder):
+    _edit_json(folder, "state-00000.json",
+               lambda s: s["progress"].update(step={"__tensor__": "state.progress.step"}))
+    return "progress.step refers to tensor 'state.progress.step', which is not stored"
+
+
+def state_bad_inline_tensor(folder):
+    _edit_json(folder, "state-00000.json", lambda s: s["progress"].update(
+        step={"__inline__": {"dtype": "load", "shape": [1], "data": [1]}}))
+    return "progress.step is a malformed inline tensor"
+
+
+def state_path_outside(folder):
+    _edit_json(folder, "manifest.json",
+               lambda m: m["states"]["files"][0].update(json="../../outside.json"))
+    return "file name '../../outside.json' in the checkpoint is not a plain file name"
+
+
+def state_path_absolute(folder):
+    _edit_json(folder, "manifest.json",
+               lambda m: m["states"]["files"][0].update(json="/etc/passwd"))
+    return "file name '/etc/passwd' in the checkpoint is not a plain file name"
+
+
+def dtype_lie_in_header_and_index(folder):
+    header, data, n = _header(folder)
+    header["fc1.weight"]["dtype"] = "I32"
+    _write_header(folder, header, data, n)
+    _edit_index(folder, lambda ix: ix["distrun"]["tensors"]["fc1.weight"].update(dtype="I32"))
+    return "tensor 'fc1.weight' is I32[10, 7] but the manifest recorded F32[10, 7] at the commit"
+
+
+def index_version_from_the_future(folder):
+    _edit_index(folder, lambda ix: ix["distrun"].update(version=3))
+    return "index version 3 was written by a newer distrun-safetensors; this build reads"
+
+
 CASES = [truncated, truncated_resealed, flipped, header_too_long, header_not_object,
          dtype_disagrees, shape_disagrees, escapes_dotdot, escapes_absolute, escapes_manifest,
-         escapes_symlink, missing_manifest]
+         escapes_symlink, missing_manifest,
+         *[_linked_out(name) for name in ("model.safetensors.index.json",
+                                          "optimizer.safetensors.index.json", "optimizer.json",
+                                          "state-00000.json", "optim-00001-of-00001.safetensors")],
+         state_holds_pickle, state_bad_tensor_reference, state_bad_inline_tensor,
+         state_path_outside, state_path_absolute, dtype_lie_in_header_and_index,
+         index_version_from_the_future]
 
 
 @pytest.mark.parametrize("damage", CASES, ids=[c.__name__ for c in CASES])

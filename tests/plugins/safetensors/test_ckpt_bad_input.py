@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from st_layouts import build, reseal, train_step
 
 from distrun_safetensors.files import CheckpointError
@@ -36,13 +39,15 @@ sys.addaudithook(_audit)
 
 @pytest.fixture
 def ckpts(tmp_path: Path) -> Path:
-    """tmp_path/run/checkpoints with step-1 and step-2 (latest), and an empty tmp_path/outside."""
+    """tmp_path/run/checkpoints with step-1 and step-2 (latest), each with a state tensor
+    (so state-00000.safetensors exists), and an empty tmp_path/outside."""
     root = tmp_path / "run" / "checkpoints"
     model, opt = build("plain")
     saver = Checkpointer(str(root))
     for step in (1, 2):
         train_step(model, opt, step)
-        saver.save(step, model, opt, {"progress": {"step": step}})
+        saver.save(step, model, opt, {"progress": {"step": step},
+                                      "extra": {"t": torch.arange(3)}})
     (tmp_path / "outside").mkdir()
     return root
 
@@ -77,7 +82,8 @@ def committed_at_a_list(c: Path) -> tuple[list[str], str]:
     manifest["committed_at"] = [1, 2]
     (step / "manifest.json").write_text(json.dumps(manifest))
     return (["verify", str(step)],
-            "error: 1 of 1 checkpoint(s) failed verification")
+            f"error: {step / 'manifest.json'}: manifest is malformed (committed_at '[1, 2]' is "
+            "not a time in seconds)")
 
 
 def latest_names_a_missing_step(c: Path) -> tuple[list[str], str]:
@@ -112,9 +118,205 @@ def manifest_linked_out(c: Path) -> tuple[list[str], str]:
             "(refusing to read it)")
 
 
+# -- issue 26, item 4: every kind of file of the folder, as a link that leaves it (or a FIFO) --
+
+LINKED = "is a link that leaves the checkpoint folder (refusing to read it)"
+
+
+def _link_out(c: Path, rel: str) -> Path:
+    """Move file ``rel`` of the checkpoints folder outside and leave a symlink to it."""
+    path = c / rel
+    target = c.parent.parent / "outside" / path.name
+    os.replace(path, target)
+    os.symlink(target, path)
+    return path
+
+
+def latest_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "latest")
+    return ["inspect", str(path)], f"error: {path} {LINKED}"
+
+
+def best_linked_out(c: Path) -> tuple[list[str], str]:
+    (c.parent.parent / "outside" / "best").write_text("step-1\n")
+    os.symlink(c.parent.parent / "outside" / "best", c / "best")
+    return ["verify", str(c / "best")], f"error: {c / 'best'} {LINKED}"
+
+
+def model_index_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, f"step-2/{INDEX}")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def optimizer_index_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/optimizer.safetensors.index.json")
+    return ["inspect", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def optimizer_json_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/optimizer.json")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def state_json_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/state-00000.json")
+    return ["verify", str(c / "step-2")], f"error: {path} {LINKED}"
+
+
+def state_tensors_linked_out(c: Path) -> tuple[list[str], str]:
+    path = _link_out(c, "step-2/state-00000.safetensors")
+    out = c.parent.parent / "merged"
+    return ["consolidate", str(c / "step-2"), str(out)], f"error: {path} {LINKED}"
+
+
+def latest_is_a_fifo(c: Path) -> tuple[list[str], str]:
+    (c / "latest").unlink()
+    os.mkfifo(c / "latest")  # reading it would block forever
+    return (["ls", str(c)],
+            f"error: {c / 'latest'} is not a regular file (refusing to read it)")
+
+
+def manifest_is_a_fifo(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    (step / "manifest.json").unlink()
+    os.mkfifo(step / "manifest.json")
+    return (["inspect", str(step)],
+            f"error: {step / 'manifest.json'} is not a regular file (refusing to read it)")
+
+
+# -- item 6: what a resume refuses, verify / inspect / consolidate refuse too ------------------
+
+
+def _edit(step: Path, name: str, fn: Callable[[dict], None]) -> None:
+    data = json.loads((step / name).read_text())
+    fn(data)
+    (step / name).write_text(json.dumps(data))
+    if name != "manifest.json":
+        reseal(step, name)
+
+
+def state_json_holds_pickle(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    (step / "state-00000.json").write_bytes(pickle.dumps({"progress": {"step": 2}}))
+    reseal(step, "state-00000.json")
+    return (["verify", str(step)],
+            f"error: {step / 'state-00000.json'}: state is not valid JSON (corrupted)")
+
+
+def state_refers_to_a_missing_tensor(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    _edit(step, "state-00000.json",
+          lambda s: s["extra"].update({"t": {"__tensor__": "state.nope"}}))
+    return (["verify", str(step)],
+            f"error: {step / 'state-00000.json'}: extra.t refers to tensor 'state.nope', which "
+            "state-00000.safetensors does not hold")
+
+
+def optimizer_refers_to_a_missing_tensor(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    _edit(step, "optimizer.json", lambda o: o["state"]["fc1.weight"].update(
+        {"exp_avg": {"__tensor__": "fc9.weight/exp_avg"}}))
+    return (["inspect", str(step)],
+            f"error: {step / 'optimizer.json'}: state fc1.weight.exp_avg refers to tensor "
+            "'fc9.weight/exp_avg', which the optimizer index does not hold")
+
+
+def _state_path(c: Path, name: str) -> tuple[Path, str]:
+    step = c / "step-2"
+    _edit(step, "manifest.json", lambda m: m["states"]["files"][0].update({"json": name}))
+    return step, (f"error: {step}: file name {name!r} in the checkpoint is not a plain file "
+                  "name inside the folder (refusing to read outside the checkpoint)")
+
+
+def state_path_outside(c: Path) -> tuple[list[str], str]:
+    step, line = _state_path(c, "../../outside/state-00000.json")
+    return ["verify", str(step)], line
+
+
+def state_path_absolute(c: Path) -> tuple[list[str], str]:
+    step, line = _state_path(c, "/etc/passwd")
+    return ["inspect", str(step)], line
+
+
+def dtype_lie_in_header_and_index(c: Path) -> tuple[list[str], str]:
+    """fc1.weight's F32 bytes relabelled I32 (same width) in its file and in the index."""
+    step = c / "step-2"
+    data = step / "model-00001-of-00001.safetensors"
+    raw = data.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + n].replace(b'"fc1.weight":{"dtype":"F32"', b'"fc1.weight":{"dtype":"I32"')
+    assert header != raw[8:8 + n]
+    data.write_bytes(raw[:8] + header + raw[8 + n:])
+    reseal(step, data.name)
+    _edit(step, INDEX, lambda ix: ix["distrun"]["tensors"]["fc1.weight"].update(dtype="I32"))
+    out = c.parent.parent / "merged"
+    return (["consolidate", str(step), str(out)],
+            f"error: {step / INDEX}: tensor 'fc1.weight' is I32[10, 7] but the manifest "
+            "recorded F32[10, 7] at the commit (the index and its files were changed after "
+            "the save)")
+
+
+NEWER = ("was written by a newer distrun-safetensors; this build reads versions 1 to 2 "
+         "(pip install -U distrun-safetensors)")
+
+
+def manifest_version_from_the_future(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    _edit(step, "manifest.json", lambda m: m.update(version=3))
+    return ["verify", str(step)], f"error: {step / 'manifest.json'}: format version 3 {NEWER}"
+
+
+def index_version_from_the_future(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    _edit(step, INDEX, lambda ix: ix["distrun"].update(version=3))
+    return ["verify", str(step)], f"error: {step / INDEX}: index version 3 {NEWER}"
+
+
+def index_format_version_from_the_future(c: Path) -> tuple[list[str], str]:
+    step = c / "step-2"
+    _edit(step, "optimizer.safetensors.index.json",
+          lambda ix: ix["metadata"].update(format_version=7))
+    out = c.parent.parent / "merged"
+    return (["consolidate", str(step), str(out)],
+            f"error: {step / 'optimizer.safetensors.index.json'}: index format_version 7 "
+            + NEWER)
+
+
+# -- item 11: a pointer given to a command is followed, safely -------------------------------
+
+
+def pointer_names_a_missing_step(c: Path) -> tuple[list[str], str]:
+    (c / "latest").write_text("step-9\n")
+    return (["inspect", str(c / "latest")],
+            f"error: {c / 'latest'} names step-9, which does not exist")
+
+
+def pointer_names_no_step(c: Path) -> tuple[list[str], str]:
+    (c / "latest").write_text("hello\n")
+    out = c.parent.parent / "merged"
+    return (["consolidate", str(c / "latest"), str(out)],
+            f"error: {c / 'latest'} does not name a step-N folder ('hello')")
+
+
+def pointer_names_a_step_linked_out(c: Path) -> tuple[list[str], str]:
+    _step_linked_out(c)
+    return (["verify", str(c / "latest")],
+            f"error: {c / 'latest'} names step-7, a link that leaves {c} (not followed; give "
+            "that folder itself)")
+
+
 CASES: list[Callable[[Path], tuple[list[str], str]]] = [
     dtype_is_a_list, committed_at_not_a_number, committed_at_a_list,
     latest_names_a_missing_step, shard_size_dots, shard_size_two_dots, manifest_linked_out,
+    # issue 26
+    latest_linked_out, best_linked_out, model_index_linked_out, optimizer_index_linked_out,
+    optimizer_json_linked_out, state_json_linked_out, state_tensors_linked_out,
+    latest_is_a_fifo, manifest_is_a_fifo,
+    state_json_holds_pickle, state_refers_to_a_missing_tensor,
+    optimizer_refers_to_a_missing_tensor, state_path_outside, state_path_absolute,
+    dtype_lie_in_header_and_index, manifest_version_from_the_future,
+    index_version_from_the_future, index_format_version_from_the_future,
+    pointer_names_a_missing_step, pointer_names_no_step, pointer_names_a_step_linked_out,
 ]
 
 

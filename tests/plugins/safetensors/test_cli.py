@@ -88,8 +88,41 @@ def test_train_kill_resume_and_ckpt_commands(tmp_path):
     data.write_bytes(bytes(raw))
     bad = run_cli("ckpt", "verify", str(broken / "step-8"))
     assert bad.returncode == 2, bad
-    assert "model-00001-of-00002.safetensors: checksum mismatch" in bad.stdout
-    assert "error: 1 of 1 checkpoint(s) failed verification" in bad.stderr
+    assert bad.stderr == (f"error: {data}: checksum mismatch (corrupted file)\n"), bad
+    every = run_cli("ckpt", "verify", str(broken))  # each checkpoint of the folder: OK or BAD
+    assert every.returncode == 2, every
+    assert f"BAD {broken / 'step-8'}: {data}: checksum mismatch" in every.stdout
+    assert f"OK  {broken / 'step-6'}: step 6" in every.stdout
+    assert every.stderr == "error: 1 of 3 checkpoint(s) failed verification\n", every
+
+
+@pytest.mark.slow
+def test_launcher_killed_during_a_save_leaves_a_save_that_clean_removes(tmp_path):
+    """Issue 26 item 8: `kill -9` of the launcher while rank 0 writes the step-2 save (its
+    workers die with it): the temporary folder and its lock stay, `ckpt ls` shows the save
+    ABANDONED and `ckpt clean` removes it, leaving the checkpoints folder as before the save."""
+    import time
+
+    from distrun.launch.lifeline import pid_alive
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    killed = _train(run_dir, "--max-steps", "4", ST_KILL_LAUNCHER_AT="1@0")
+    assert killed.returncode == -9, killed
+    left = sorted(p.name for p in ckpts.iterdir())
+    assert len(left) == 2 and left[0].startswith(".tmp-step-2-") and left[1] == left[0] + ".lock"
+    writer = json.loads((ckpts / left[1]).read_text())["pid"]
+    deadline = time.monotonic() + 60  # the worker dies with its launcher (PR_SET_PDEATHSIG)
+    while pid_alive(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(writer)
+    listing = run_cli("ckpt", "ls", str(run_dir))
+    assert listing.returncode == 0, listing
+    assert f"{left[0]:<16} step 2  ABANDONED: pid {writer} on this host is gone" in listing.stdout
+    cleaned = run_cli("ckpt", "clean", str(run_dir))
+    assert cleaned.returncode == 0, cleaned
+    assert f"removed {left[0]}: pid {writer} on this host is gone" in cleaned.stdout
+    assert os.listdir(ckpts) == []
 
 
 @pytest.mark.slow
@@ -99,3 +132,46 @@ def test_resume_latest_without_checkpoint_is_one_clear_error(tmp_path):
     assert result.returncode == 2, result
     assert "error: no checkpoint found in" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_every_ckpt_command_follows_latest_and_best(cli, tmp_path):
+    """Issue 26 item 11: `latest` and `best` are pointer files; given to inspect, verify,
+    consolidate or ls they name the checkpoint to act on (read through the checked open)."""
+    from st_layouts import build, train_step
+
+    from distrun_safetensors.save import Checkpointer
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    model, opt = build("plain")
+    saver = Checkpointer(str(ckpts))
+    for step in (1, 2):
+        train_step(model, opt, step)
+        saver.save(step, model, opt, {"progress": {"step": step}})
+    (ckpts / "best").write_text("step-1\n")  # as --ckpt-monitor writes it
+    for pointer, step in (("latest", 2), ("best", 1)):
+        path = str(ckpts / pointer)
+        shown = cli("ckpt", "inspect", path)
+        assert shown.returncode == 0, shown
+        assert f"checkpoint {ckpts / f'step-{step}'}" in shown.stdout
+        assert f"  step {step}  reason user" in shown.stdout
+        checked = cli("ckpt", "verify", path)
+        assert checked.returncode == 0, checked
+        assert checked.stdout.startswith(f"OK  {ckpts / f'step-{step}'}: step {step}, ")
+        listed = cli("ckpt", "ls", path)
+        assert listed.returncode == 0, listed
+        lines = listed.stdout.splitlines()
+        assert len(lines) == 1 and lines[0].split()[:3] == (
+            ["*", "step-2", "step"] if step == 2 else ["step-1", "step", "1"]), lines
+        out = tmp_path / f"hf-{pointer}"
+        merged = cli("ckpt", "consolidate", path, str(out))
+        assert merged.returncode == 0, merged
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["step"] == step
+
+
+
+def test_ckpt_commands_but_consolidate_do_not_import_torch():
+    from distrun.testing import imports_torch
+
+    assert not imports_torch("distrun_safetensors.plugin", "distrun_safetensors.cli",
+                             "distrun_safetensors.validation", "distrun_safetensors.leftovers")

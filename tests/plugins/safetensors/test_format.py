@@ -13,9 +13,10 @@ from st_layouts import build, compare, full_state, train_step
 
 from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.load import load
-from distrun_safetensors.manifest import VERSION, validate
+from distrun_safetensors.manifest import VERSION
 from distrun_safetensors.save import Checkpointer
 from distrun_safetensors.statecodec import decode, encode
+from distrun_safetensors.validation import validate
 
 
 def _saved(tmp_path, steps=(1,), keep_last=0, **kw):
@@ -111,19 +112,28 @@ def test_keep_last_prunes_only_after_commit_and_cleans_leftovers(tmp_path):
 
 def test_reads_format_version_1_checked_with_zlib_crc32(tmp_path):
     """A checkpoint written by distrun-safetensors 0.1 (format 1, zlib CRC-32: kept in
-    data/format-v1) loads bit-equal with its checksums verified; a damaged copy is refused."""
+    data/format-v1) loads bit-equal with its checksums verified; a damaged copy is refused.
+
+    The reference is the stored tensors themselves, read by safetensors' own reader: training
+    steps recomputed here would differ in the last bits on another CPU than the one that
+    wrote the files (float results of a step are not portable across CPUs)."""
     import shutil
+
+    from safetensors.torch import load_file
 
     v1 = Path(__file__).parent / "data" / "format-v1"
     manifest = json.loads((v1 / "manifest.json").read_text())
     assert manifest["version"] == 1 and manifest["checksum"] == "crc32"
+    stored = {f"model/{k}": v for k, v in
+              load_file(str(v1 / "model-00001-of-00001.safetensors")).items()}
+    stored.update({f"optim/{k}": v for k, v in
+                   load_file(str(v1 / "optim-00001-of-00001.safetensors")).items()})
+    assert len(stored) == 5 + 12  # every tensor whole (one rank wrote them)
     fresh, fresh_opt = build("plain", seed=5)
+    assert compare(full_state(fresh, fresh_opt), stored) != []  # the load has work to do
     result = load(str(v1), fresh, fresh_opt)
-    assert result.step == 2
-    model, opt = build("plain")  # what was saved: two steps from seed 0
-    for step in (1, 2):
-        train_step(model, opt, step)
-    assert compare(full_state(fresh, fresh_opt), full_state(model, opt)) == []
+    assert result.step == 2 and result.state == {"progress": {"step": 2}}
+    assert compare(full_state(fresh, fresh_opt), stored) == []
     copy = tmp_path / "v1"
     shutil.copytree(v1, copy)
     data = bytearray((copy / "model-00001-of-00001.safetensors").read_bytes())
@@ -196,6 +206,33 @@ def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path, caplog, dama
     want_step = 1 if damage != "pointer" else 2
     assert result.step == want_step
     assert reason in caplog.text
+
+
+@pytest.mark.parametrize("where", ["manifest", "index"])
+def test_latest_stops_at_a_newer_format_instead_of_falling_back(tmp_path, where):
+    """A checkpoint from a newer distrun-safetensors is not damaged: `latest` and `auto` stop
+    with one line naming the versions this build reads, instead of training from an older
+    step (whose later saves could then prune the newer one)."""
+    from st_layouts import reseal
+
+    _saved(tmp_path, steps=(1, 2))
+    newest = tmp_path / "ckpt" / "step-2"
+    name = "manifest.json" if where == "manifest" else "model.safetensors.index.json"
+    data = json.loads((newest / name).read_text())
+    (data if where == "manifest" else data["distrun"])["version"] = VERSION + 1
+    (newest / name).write_text(json.dumps(data))
+    if where == "index":
+        reseal(newest, name)
+    fresh, fresh_opt = build("plain", seed=3)
+    before = full_state(fresh, fresh_opt)
+    for source in ("latest", "auto"):
+        with pytest.raises(CheckpointError) as info:
+            load(source, fresh, fresh_opt, ckpt_dir=str(tmp_path / "ckpt"))
+        message = str(info.value)
+        assert f"version {VERSION + 1} was written by a newer distrun-safetensors; this build " \
+               f"reads versions 1 to {VERSION}" in message and "\n" not in message, message
+        assert message.startswith(str(newest / name))
+    assert compare(full_state(fresh, fresh_opt), before) == []
 
 
 def test_verify_off_skips_checksums(tmp_path):

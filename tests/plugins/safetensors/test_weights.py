@@ -209,10 +209,64 @@ def shapes_differ(tmp_path):
     return tmp_path / "hf", "shapes differ: fc1.weight: file [7, 10] vs model [10, 7]"
 
 
+# -- issue 26 item 4: no file of the folder is read through a link that leaves it, nor a FIFO --
+
+LINKED = "is a link that leaves the weights folder (refusing to read it)"
+
+
+def _outside_copy(tmp_path: Path, folder: Path, name: str) -> Path:
+    """Move ``name`` out of ``folder`` (into tmp_path/outside) and link it back in."""
+    (tmp_path / "outside").mkdir(exist_ok=True)
+    target = tmp_path / "outside" / name
+    os.replace(folder / name, target)
+    os.symlink(target, folder / name)
+    return folder / name
+
+
+def index_linked_out(tmp_path):
+    """The issue's case: an index that is a link to weights elsewhere (a complete, valid
+    index and shards there) was followed and loaded."""
+    folder = _hf(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    write_hf(str(elsewhere), source_tensors(seed=12), shards=2)
+    (folder / "model.safetensors.index.json").unlink()
+    os.symlink(elsewhere / "model.safetensors.index.json", folder / "model.safetensors.index.json")
+    return folder, f"{folder / 'model.safetensors.index.json'} {LINKED}"
+
+
+def index_named_directly_linked_out(tmp_path):
+    folder = _hf(tmp_path)
+    path = _outside_copy(tmp_path, folder, "model.safetensors.index.json")
+    return path, f"{path} {LINKED}"
+
+
+def shard_linked_out(tmp_path):
+    folder = _hf(tmp_path)
+    path = _outside_copy(tmp_path, folder, "model-00002-of-00002.safetensors")
+    return folder, f"{path} {LINKED}"
+
+
+def single_file_linked_out(tmp_path):
+    folder = tmp_path / "one"
+    write_hf(str(folder), source_tensors(), shards=1)
+    path = _outside_copy(tmp_path, folder, "model.safetensors")
+    return folder, f"{path} {LINKED}"
+
+
+def index_is_a_fifo(tmp_path):
+    folder = _hf(tmp_path)
+    (folder / "model.safetensors.index.json").unlink()
+    os.mkfifo(folder / "model.safetensors.index.json")  # reading it would block forever
+    return folder, (f"{folder / 'model.safetensors.index.json'} is not a regular file "
+                    "(refusing to read it)")
+
+
 @pytest.mark.parametrize("damage", [nothing_there, empty_folder, index_not_json,
                                     index_without_weight_map, shard_missing,
                                     key_not_in_its_shard, shard_escapes, shard_truncated,
-                                    a_distrun_checkpoint, shapes_differ])
+                                    a_distrun_checkpoint, shapes_differ, index_linked_out,
+                                    index_named_directly_linked_out, shard_linked_out,
+                                    single_file_linked_out, index_is_a_fifo])
 def test_bad_weights_are_one_line_and_change_nothing(tmp_path, damage):
     path, expected = damage(tmp_path)
     model = _fresh()
@@ -333,6 +387,19 @@ def test_distrun_run_init_weights_under_each_strategy_and_bad_input_exit_2(tmp_p
     missing = run_cli("run", "--max-steps", "1", "--run-dir", str(tmp_path / "bad2"),
                       "--init-weights", str(tmp_path / "nope"), TASK, env=_env(), timeout=300)
     assert missing.returncode == 2 and "no such file or folder" in missing.stderr, missing
+    # issue 26: an index linked to a folder elsewhere is refused, not followed
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(tmp_path / "hf" / "model.safetensors.index.json",
+               linked / "model.safetensors.index.json")
+    refused = run_cli("run", "--max-steps", "1", "--run-dir", str(tmp_path / "bad3"),
+                      "--init-weights", str(linked), "--init-weights-prefix", "model.", TASK,
+                      env=_env(), timeout=300)
+    assert refused.returncode == 2, refused
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --init-weights {linked}: {linked / 'model.safetensors.index.json'}"
+                      " is a link that leaves the weights folder (refusing to read it)"], refused
+    assert "Traceback" not in refused.output
 
 
 @pytest.mark.slow
