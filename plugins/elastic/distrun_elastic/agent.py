@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -60,6 +61,8 @@ _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 #: the worker environment variable holding the rendezvous generation (see liveness)
 GENERATION_ENV = "DISTRUN_RDZV_GENERATION"
+#: the signal the heartbeat thread sends the agent's main thread when the store is lost
+_WAKE = signal.SIGUSR2
 
 
 def _say(message: str) -> None:
@@ -108,6 +111,8 @@ class DistrunAgent(LocalElasticAgent):
         self.host_store = host_store
         self._store: Any = None
         self.liveness: Liveness | None = None
+        #: seconds of failed store calls that cut this node off (None: not cut off)
+        self.cut_off_after: float | None = None
         self._rounds = 0
 
     def _rendezvous(self, worker_group: Any) -> None:
@@ -120,13 +125,20 @@ class DistrunAgent(LocalElasticAgent):
             self.liveness = Liveness(store, worker_group.group_rank,
                                      worker_group.group_world_size,
                                      interval=self.plan.heartbeat_interval,
-                                     timeout=self.plan.heartbeat_timeout)
+                                     timeout=self.plan.heartbeat_timeout,
+                                     on_cut_off=self._cut_off)
         self._rounds += 1
         if self._rounds > 1 and self.plan.max_nodes > 1:
             world = worker_group.workers[0].world_size
             nodes = worker_group.group_world_size
             _say(f"re-formed at {world} rank{'s' * (world != 1)} on {nodes} "
                  f"host{'s' * (nodes != 1)}")
+
+    def _cut_off(self, silent: float) -> None:
+        """From the heartbeat thread: stop the workers, then interrupt the main thread."""
+        self.cut_off_after = silent
+        self._kill_workers()
+        signal.pthread_kill(threading.main_thread().ident or 0, _WAKE)
 
     def stop_liveness(self) -> None:
         if self.liveness is not None:
@@ -149,10 +161,6 @@ class DistrunAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         if self.liveness is not None:
-            silent = self.liveness.cut_off()
-            if silent is not None:
-                self._kill_workers()
-                raise CutOff(self.plan.rdzv_endpoint, silent)
             lost = self.liveness.lost()
             if lost and self.root_cause is None:
                 return self._lose(worker_group, lost)
@@ -349,6 +357,11 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
                          plan=plan, host_store=host_store)
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
+
+    def woken(signum: int, frame: Any) -> None:
+        raise CutOff(plan.rdzv_endpoint, agent.cut_off_after or plan.heartbeat_timeout)
+
+    previous = signal.signal(_WAKE, woken)
     try:
         result = agent.run()
     except SignalException as exc:
@@ -378,6 +391,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
             from None
     finally:
         agent.stop_liveness()
+        signal.signal(_WAKE, previous)
         relay.close()
         if shutdown_rdzv:
             try:

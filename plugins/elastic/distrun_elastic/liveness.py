@@ -10,9 +10,14 @@ the counters of the other nodes; the agent's monitor loop then asks :meth:`Liven
 
 - a peer whose counter has not moved for ``timeout`` seconds is lost (its agent is dead, frozen
   or unreachable): the survivors stop their workers and re-form without it;
-- this node is cut off when no round trip to the store succeeded for ``timeout`` seconds: the
-  store lives in the agent at ``--rdzv-endpoint``, so either that host is down or this one is
-  partitioned; either way this node cannot take part, and it stops.
+- this node is cut off when its store calls have failed for ``timeout`` seconds: the store
+  lives in the agent at ``--rdzv-endpoint``, so either that host is down or this one is
+  partitioned; either way this node cannot take part, and it stops. That is told from this
+  thread (``on_cut_off``), since the agent's main thread may itself be stuck in a store call:
+  torch's rendezvous calls retry while holding a lock that its keep-alive thread holds too.
+  A store call to a frozen or unreachable host may also never return (torch's store client
+  puts no timeout on ``add`` or ``check``): a call still waiting counts as failing since it
+  began.
 
 Counters, not timestamps: hosts' clocks need not agree, each agent times the counters it reads
 with its own monotonic clock. The thread talks to the store over its own connection (a clone):
@@ -31,6 +36,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,14 +77,16 @@ class Liveness:
     """This node's heartbeat and its view of every other node's, for one rendezvous round."""
 
     def __init__(self, store: Any, group_rank: int, group_world_size: int, *,
-                 interval: float, timeout: float) -> None:
+                 interval: float, timeout: float,
+                 on_cut_off: Callable[[float], None] | None = None) -> None:
         self.group_rank = group_rank
+        self.on_cut_off = on_cut_off
         self.interval = interval
         self.timeout = timeout
         self._peers = [r for r in range(group_world_size) if r != group_rank]
         self._store = store.clone()  # its own connection: see the module docstring
         self._store.set_timeout(timedelta(seconds=max(1.0, min(interval * 2, timeout))))
-        self._store.set(_HOST.format(group_rank), socket.gethostname())
+        self._published = False
         now = time.monotonic()
         self._count = {r: -1 for r in self._peers}
         #: when each peer's counter last moved, by this node's clock
@@ -88,24 +96,46 @@ class Liveness:
         self._polled = now
         #: when the current run of failed store calls began (None: the last one succeeded)
         self._failing_since: float | None = None
+        #: when the poll now waiting on the store began (None: none is): a store call to a
+        #: frozen or unreachable host may never return, it has no timeout of its own
+        self._in_flight: float | None = None
         self._names: dict[int, str] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="distrun-liveness", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._beat, name="distrun-heartbeat",
+                                          daemon=True),
+                         threading.Thread(target=self._watch, name="distrun-liveness",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _beat(self) -> None:
         while True:
-            began = time.monotonic()
+            began = self._in_flight = time.monotonic()
             try:
                 self._poll()
                 self._failing_since = None
             except Exception:  # noqa: BLE001 - an unreachable store is what this measures
                 if self._failing_since is None:
                     self._failing_since = began
+            finally:
+                self._in_flight = None
             if self._stop.wait(self.interval):
                 return
 
+    def _watch(self) -> None:
+        """Tell ``on_cut_off`` once the store has been out of reach for the timeout. From
+        this thread: the heartbeat may be stuck in a store call, and so may the agent's main
+        thread (torch's rendezvous calls retry while holding a lock its keep-alive holds too)."""
+        while not self._stop.wait(self.interval / 2):
+            silent = self.cut_off()
+            if silent is not None and self.on_cut_off is not None:
+                self.on_cut_off(silent)
+                return
+
     def _poll(self) -> None:
+        if not self._published:
+            self._store.set(_HOST.format(self.group_rank), socket.gethostname())
+            self._published = True
         self._store.add(_ALIVE.format(self.group_rank), 1)
         for rank in self._peers:
             count = int(self._store.add(_ALIVE.format(rank), 0))
@@ -121,11 +151,12 @@ class Liveness:
         return self._names.get(rank, f"node {rank}")
 
     def cut_off(self) -> float | None:
-        """Seconds the store calls have been failing, once that exceeds the timeout."""
-        since = self._failing_since
-        if since is None:
+        """Seconds the store has been out of reach (calls failing, or one not answered),
+        once that exceeds the timeout."""
+        since = [t for t in (self._failing_since, self._in_flight) if t is not None]
+        if not since:
             return None
-        silent = time.monotonic() - since
+        silent = time.monotonic() - min(since)
         return silent if silent > self.timeout else None
 
     def lost(self) -> list[LostPeer]:
@@ -135,5 +166,8 @@ class Liveness:
                 if polled - seen > self.timeout]
 
     def stop(self) -> None:
+        """Stop both threads (a heartbeat stuck in a store call is left behind: a daemon)."""
         self._stop.set()
-        self._thread.join(timeout=self.interval + 1.0)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.interval + 1.0)
