@@ -138,6 +138,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def no_testbed_left() -> Iterator[None]:
+    """Testbeds of network-namespace hosts (distrun.testing.hosts): what killed runs left is
+    swept first; after the suite none of ours is left (namespace, hosts file or process)."""
+    from distrun.testing.hosts import leftovers, sweep
+
+    sweep()
+    yield
+    left = leftovers()
+    assert not left, f"testbed leftovers (ip netns list; /etc/netns): {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left() -> Iterator[None]:
     """After the suite, /dev/shm holds no segment of distrun-shm whose process has ended
     (a live one belongs to a run still going, e.g. another session's tests)."""

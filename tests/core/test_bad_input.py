@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.addresses import interface_addresses
 from distrun.testing import run_cli
 
 TASK = """
@@ -147,6 +148,10 @@ IN_PROCESS = {
         ("run", "--no-python", "task.py"),
         "error: --no-python: task.py is not an executable file (check the path and its x bit, "
         "or drop --no-python for a Python script)"),
+    "local_addr_of_another_host": Case(
+        ("run", "--local-addr", "203.0.113.7", "task.py:T"),
+        "error: --local-addr 203.0.113.7: it is not an address of this host (its addresses: "
+        + ", ".join(f"{a} ({i})" for i, a in interface_addresses().items()) + ")"),
     "standalone_with_nodes": Case(
         ("run", "--standalone", "--nnodes", "2", "task.py"),
         "error: --standalone runs on one node but --nnodes is 2 (drop one of them)"),

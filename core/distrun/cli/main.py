@@ -102,8 +102,6 @@ UNSUPPORTED_TORCHRUN = {
     "--virtual-local-rank": "every worker sees its own LOCAL_RANK (no virtual local rank)",
     "--duplicate-stdout-filters": "output filters are not supported (filter with grep)",
     "--duplicate-stderr-filters": "output filters are not supported (filter with grep)",
-    "--local-addr": "the local launcher binds 127.0.0.1 on one node and --master-addr across "
-                    "nodes (give --master-addr, or --rdzv-endpoint with distrun-elastic)",
     "--shutdown-timeout": "the stop grace is fixed at 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
                           "sets it under distrun-elastic)",
 }
@@ -280,7 +278,11 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
     config = resolve_config(options, flags=flags, config_file=config_file)
     config = apply_cluster_env(pm, config, dict(os.environ))
+    from distrun.launch.addresses import local_interface
     from distrun.launch.local import resolve_nproc
+
+    if config.local_addr:
+        local_interface(config.local_addr)  # one line when no interface here has it
 
     if config.standalone and config.nnodes not in ("1", "1:1"):
         raise UsageError(f"--standalone runs on one node but --nnodes is {config.nnodes} "

@@ -161,6 +161,9 @@ class RunConfig:
                             aliases=("--master_addr",))
     master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0, max=65535,
                             aliases=("--master_port",))
+    local_addr: str = _opt("", "this node's address, the one the other nodes reach (default: "
+                               "what this host's name resolves to); gloo uses its interface",
+                           aliases=("--local_addr",), metavar="ADDRESS")
     tee: bool = _opt(False, "prefix each worker line with its rank (torchrun's --tee N, N>0, "
                             "means the same)")
     # --- torchrun's other launcher flags, with torchrun's meaning ----------------------------

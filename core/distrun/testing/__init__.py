@@ -1,8 +1,10 @@
 """``distrun.testing``: a pytest plugin for distrun and for plugin authors.
 
 Fixtures: ``distrun_pm`` (a fresh plugin manager, entry points off), ``distrun_cli`` (run the
-``distrun`` command in a subprocess inside ``tmp_path``). Helpers: :func:`run_on_ranks` (a
-function on N real gloo ranks with a short timeout) and :func:`run_cli`.
+``distrun`` command in a subprocess inside ``tmp_path``), ``distrun_hosts`` (a testbed of
+network-namespace hosts, :mod:`distrun.testing.hosts`; its tests are marked ``multihost``).
+Helpers: :func:`run_on_ranks` (a function on N real gloo ranks with a short timeout) and
+:func:`run_cli`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ from typing import Any
 import pytest
 
 from distrun.launch.ports import free_port
+from distrun.testing.hosts import HostSpec, Testbed, TestbedError, unavailable
 
-__all__ = ["CliResult", "backend_plugins", "busy_cores", "only_plugins", "cpu_backends", "distrun_cli", "distrun_pm", "free_port",
-           "imports_torch", "run_cli", "run_on_ranks"]
+__all__ = ["CliResult", "HostSpec", "Testbed", "backend_plugins", "busy_cores", "cpu_backends",
+           "distrun_cli", "distrun_hosts", "distrun_pm", "free_port", "imports_torch",
+           "only_plugins", "run_cli", "run_on_ranks"]
+
+
+
+MULTIHOST = ("multihost: runs on a testbed of network-namespace hosts (the distrun_hosts "
+             "fixture); skipped where namespaces cannot be made")
 
 
 @dataclass
@@ -259,3 +268,43 @@ def busy_cores() -> Iterator[int]:
             hog.kill()
         for hog in hogs:
             hog.wait()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MULTIHOST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses ``distrun_hosts`` is a ``multihost`` test, marked or not."""
+    for item in items:
+        if "distrun_hosts" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multihost)
+
+
+@pytest.fixture
+def distrun_hosts() -> Iterator[Callable[..., Testbed]]:
+    """``bed = distrun_hosts(2)`` (or a list of :class:`HostSpec`): a testbed of namespace
+    hosts (:mod:`distrun.testing.hosts`), removed with every process on it when the test ends,
+    passed, failed or interrupted. Skips the test, saying why, where namespaces cannot be made.
+    """
+    why = unavailable()
+    if why:
+        pytest.skip(f"multihost testbed unavailable: {why}")
+    beds: list[Testbed] = []
+
+    def make(hosts: int | Sequence[HostSpec] = 2) -> Testbed:
+        beds.append(Testbed.up(hosts))
+        return beds[-1]
+
+    try:
+        yield make
+    finally:
+        problems = []
+        for bed in beds:
+            try:
+                bed.down()
+            except TestbedError as exc:
+                problems.append(str(exc))
+        if problems:
+            pytest.fail("; ".join(problems))

@@ -5,7 +5,9 @@ The choices made here:
 - the plugin answers ``distrun_launch`` when the config asks for elasticity: ``--max-restarts``
   above 0, a node range ``--nnodes MIN:MAX``, a rendezvous endpoint or ``--rdzv-conf``;
 - a single-node run rendezvous on ``127.0.0.1`` (a free port), and so does a run whose endpoint
-  is a loopback address; otherwise torch uses this host's name;
+  is a loopback address; otherwise torch announces ``--local-addr``, or this host's name (one
+  that resolves to no usable address of this host is refused at launch:
+  :func:`distrun.launch.addresses.node_network`);
 - every start of the workers, first or restarted, resumes from the newest valid checkpoint: the
   launcher writes ``resume = "auto"`` into the values workers inherit (unless the user chose
   ``--resume`` themselves). Workers never look at ``TORCHELASTIC_RESTART_COUNT``: it counts the
@@ -27,7 +29,7 @@ from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
 from distrun.launch.ports import free_port
 from distrun.spec.errors import UsageError
 
-__all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "wants_elastic"]
+__all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "split_endpoint", "wants_elastic"]
 
 #: seconds the siblings of a failed worker get to exit before SIGKILL, when restarting
 RESTART_GRACE = 5.0
@@ -100,7 +102,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, str]:
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port)."""
     host, sep, port = endpoint.rpartition(":")
     if not sep:
         return endpoint, ""
@@ -140,8 +143,9 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
                 "node can reach (the node at HOST hosts the rendezvous)"
             )
         endpoint = "127.0.0.1:0"
-    host, _ = _split_endpoint(endpoint)
-    local_addr = "127.0.0.1" if hi == 1 or _is_loopback(host) else None
+    host, _ = split_endpoint(endpoint)
+    # --local-addr is what torch announces for this node, else its host name (checked at launch)
+    local_addr = config.local_addr or ("127.0.0.1" if hi == 1 or _is_loopback(host) else None)
 
     explicit_name = not _is_default_name(config)
     run_id = config.rdzv_id or (config.name if explicit_name else "")

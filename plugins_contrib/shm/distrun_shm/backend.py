@@ -43,8 +43,12 @@ def load() -> None:
 
 
 def machine_id() -> str:
-    """This machine as the backend compares it: host name and boot id (or the override
-    ``DISTRUN_SHM_MACHINE_ID``, which tests use to play several machines)."""
+    """This machine as the backend compares it: host name, boot id and network namespace (or
+    the override ``DISTRUN_SHM_MACHINE_ID``, which tests use to play several machines).
+
+    Network namespaces of one machine share its boot id, and may share a host name: each is a
+    host of its own to the ranks (a container, or a node of distrun's multi-host testbed).
+    """
     override = os.environ.get("DISTRUN_SHM_MACHINE_ID")
     if override:
         return override
@@ -53,7 +57,11 @@ def machine_id() -> str:
             boot = f.read().strip()
     except OSError:
         boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = "?"
+    return f"{socket.gethostname()}/{boot}/{net}"
 
 
 def segment_prefix() -> str:
@@ -89,24 +97,33 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
-def _one_machine(store: Any, rank: int, size: int, global_ranks: list[int]) -> list[int]:
+def _one_machine(store: Any, rank: int, size: int, global_ranks: list[int],
+                 timeout: datetime.timedelta) -> list[int]:
     """The group's pids, after checking all its ranks run on this machine."""
     me = machine_id()
     store.set(f"shm/who/{rank}", f"{os.getpid()}|{me}")
-    pids = []
-    for r in range(size):
-        pid, _, machine = store.get(f"shm/who/{r}").decode().partition("|")
-        if machine != me:
-            from distrun.spec.errors import UsageError
+    whos = [store.get(f"shm/who/{r}").decode().partition("|") for r in range(size)]
+    apart = next((r for r, (_, _, machine) in enumerate(whos) if machine != me), None)
+    if apart is None:
+        return [int(pid) for pid, _, _ in whos]
+    # Every rank has read every rank's entry before any leaves: the store may live in the
+    # process of one of them, and a rank still reading would get a lost connection instead
+    # of this line.
+    store.set(f"shm/checked/{rank}", "1")
+    try:
+        store.wait([f"shm/checked/{r}" for r in range(size)], timeout)
+    except Exception:  # noqa: BLE001 - a rank that never comes: say what this one knows
+        pass
+    from distrun.spec.errors import UsageError
 
-            other = global_ranks[r] if r < len(global_ranks) else r
-            mine = global_ranks[rank] if rank < len(global_ranks) else rank
-            raise UsageError(
-                f"the shm backend reaches ranks of one machine only, but rank {other} runs on "
-                f"{machine.split('/')[0]} and rank {mine} on {me.split('/')[0]}: use "
-                "--backend gloo for a run over several nodes")
-        pids.append(int(pid))
-    return pids
+    other = global_ranks[apart] if apart < len(global_ranks) else apart
+    mine = global_ranks[rank] if rank < len(global_ranks) else rank
+    there, here = whos[apart][2].split("/")[0], me.split("/")[0]
+    if there == here:  # same name, another boot or network namespace
+        there = f"{there} (another host of that name)"
+    raise UsageError(
+        f"the shm backend reaches ranks of one machine only, but rank {other} runs on "
+        f"{there} and rank {mine} on {here}: use --backend gloo for a run over several nodes")
 
 
 def _create(options: Any, _backend_options: Any) -> Any:
@@ -117,7 +134,8 @@ def _create(options: Any, _backend_options: Any) -> Any:
     timeout = options.timeout
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(
         timeout)
-    pids = _one_machine(store, rank, size, list(options.global_ranks_in_group or []))
+    pids = _one_machine(store, rank, size, list(options.global_ranks_in_group or []),
+                        datetime.timedelta(seconds=seconds))
     sizes = dict(slot_bytes=SLOT_KB * 1024, ring_bytes=RING_KB * 1024,
                  small_bytes=SMALL_KB * 1024, timeout_s=seconds)
     if rank != 0:
