@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -72,11 +73,12 @@ def _say(message: str) -> None:
 class CutOff(Exception):
     """This node lost the rendezvous store: it is partitioned, or the store's host is down."""
 
-    def __init__(self, endpoint: str, silent_for: float) -> None:
+    def __init__(self, endpoint: str, silent_for: float | None = None) -> None:
+        how_long = f" for {silent_for:.0f} s" if silent_for is not None else ""
         super().__init__(
-            f"cannot reach the rendezvous store at {endpoint} for {silent_for:.0f} s (this "
-            "host is cut off from it, or the host running it is down); stopped this node's "
-            f"workers; exit {EXIT_REQUEUE}: relaunch this node to rejoin the run")
+            f"cannot reach the rendezvous store at {endpoint}{how_long} (this host is cut "
+            "off from it, or the host running it is down); stopped this node's workers; exit "
+            f"{EXIT_REQUEUE}: relaunch this node to rejoin the run")
 
 
 class RelayLogsSpecs(DefaultLogsSpecs):
@@ -384,11 +386,18 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         # torch's own store calls gave up first (--rdzv-conf read_timeout): the same loss
         shutdown_rdzv = False
         agent._kill_workers()
-        _say(str(CutOff(plan.rdzv_endpoint, float(configs.get("read_timeout", 60)))))
+        _say(str(CutOff(plan.rdzv_endpoint)))
         return EXIT_REQUEUE
+    except RendezvousTimeoutError:
+        join = configs.get("join_timeout", 600)
+        raise DistrunError(
+            f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint}: fewer than {plan.min_nodes} "
+            f"node{'s' * (plan.min_nodes != 1)} joined within join_timeout={join} s (start "
+            "the other nodes with the same --rdzv-endpoint and --rdzv-id, or give more time: "
+            "--rdzv-conf join_timeout=SECONDS)") from None
     except RendezvousError as exc:
-        raise DistrunError(f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} failed: {exc}") \
-            from None
+        raise DistrunError(f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} failed: "
+                           f"{exc or type(exc).__name__}") from None
     finally:
         agent.stop_liveness()
         signal.signal(_WAKE, previous)
