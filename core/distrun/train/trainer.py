@@ -198,6 +198,9 @@ class Trainer:
                     f"(use --backend gloo, or another strategy)"), debug=config.debug)
             if _is_collective_timeout(exc, run):
                 _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
+            if _is_lost_connection(exc, run):
+                _exit_on_error(DistrunError(_lost_connection_message(run, exc)),
+                               debug=config.debug)
             if _is_lost_peer(exc, run):
                 _exit_on_error(DistrunError(_lost_peer_message(run, exc)), debug=config.debug)
             raise
@@ -365,6 +368,27 @@ def _lost_peer_message(run: Run, exc: BaseException) -> str:
     return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
             f"another rank stopped (its error is above; --debug shows this rank's traceback): "
             f"{first_line(exc)}")
+
+
+#: gloo gives a dropped connection no type of its own, but names its transport's source file
+_TRANSPORT_SOURCES = ("/gloo/transport/",)
+
+
+def _is_lost_connection(exc: BaseException, run: Run) -> bool:
+    """A collective whose connection to a peer broke (reset, closed): the peer's process or
+    host is gone, or the network between them dropped. No local signal comes first when the
+    peer was on another host, so this is told by gloo's own report of its transport."""
+    return run.world_size > 1 and isinstance(exc, RuntimeError) \
+        and _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun.train.step_sync")) \
+        and any(source in first_line(exc) for source in _TRANSPORT_SOURCES)
+
+
+def _lost_connection_message(run: Run, exc: BaseException) -> str:
+    line = first_line(exc)
+    reason = line.split("]", 1)[-1].strip() if "]" in line else line
+    return (f"rank {run.rank}: lost the connection to another rank at step "
+            f"{run.progress.step} ({reason.split('. ')[0]}): its process or host stopped, or "
+            "the network dropped; --debug shows this rank's traceback")
 
 
 def _dist_error() -> type[BaseException]:

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,8 +35,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -44,6 +47,7 @@ from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
 from distrun.train.run import EXIT_REQUEUE
+from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
 
@@ -56,8 +60,25 @@ _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
+#: the worker environment variable holding the rendezvous generation (see liveness)
+GENERATION_ENV = "DISTRUN_RDZV_GENERATION"
+#: the signal the heartbeat thread sends the agent's main thread when the store is lost
+_WAKE = signal.SIGUSR2
+
+
 def _say(message: str) -> None:
     print(f"distrun: {message}", file=sys.stderr, flush=True)
+
+
+class CutOff(Exception):
+    """This node lost the rendezvous store: it is partitioned, or the store's host is down."""
+
+    def __init__(self, endpoint: str, silent_for: float | None = None) -> None:
+        how_long = f" for {silent_for:.0f} s" if silent_for is not None else ""
+        super().__init__(
+            f"cannot reach the rendezvous store at {endpoint}{how_long} (this host is cut "
+            "off from it, or the host running it is down); stopped this node's workers; exit "
+            f"{EXIT_REQUEUE}: relaunch this node to rejoin the run")
 
 
 class RelayLogsSpecs(DefaultLogsSpecs):
@@ -79,18 +100,56 @@ class RelayLogsSpecs(DefaultLogsSpecs):
 class DistrunAgent(LocalElasticAgent):
     """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
 
-    def __init__(self, *args: Any, relay: Relay, host_store: bool = False,
+    def __init__(self, *args: Any, relay: Relay, plan: ElasticPlan, host_store: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.relay = relay
+        self.plan = plan
         #: (global rank, return code) of the worker that failed first in the current attempt
         self.root_cause: tuple[int, int] | None = None
+        #: the peers whose heartbeat stopped, when that ended the current attempt
+        self.lost_peers: list[LostPeer] = []
         self.restarts = 0
         self.host_store = host_store
         self._store: Any = None
+        self.liveness: Liveness | None = None
+        #: seconds of failed store calls that cut this node off (None: not cut off)
+        self.cut_off_after: float | None = None
+        self._rounds = 0
+
+    def _rendezvous(self, worker_group: Any) -> None:
+        self.stop_liveness()
+        super()._rendezvous(worker_group)
+        store = worker_group.store
+        os.environ[GENERATION_ENV] = str(
+            publish_generation(store, self.plan.run_id, worker_group.group_rank))
+        if self.plan.max_nodes > 1 and worker_group.group_world_size > 1:
+            self.liveness = Liveness(store, worker_group.group_rank,
+                                     worker_group.group_world_size,
+                                     interval=self.plan.heartbeat_interval,
+                                     timeout=self.plan.heartbeat_timeout,
+                                     on_cut_off=self._cut_off)
+        self._rounds += 1
+        if self._rounds > 1 and self.plan.max_nodes > 1:
+            world = worker_group.workers[0].world_size
+            nodes = worker_group.group_world_size
+            _say(f"re-formed at {world} rank{'s' * (world != 1)} on {nodes} "
+                 f"host{'s' * (nodes != 1)}")
+
+    def _cut_off(self, silent: float) -> None:
+        """From the heartbeat thread: stop the workers, then interrupt the main thread."""
+        self.cut_off_after = silent
+        self._kill_workers()
+        signal.pthread_kill(threading.main_thread().ident or 0, _WAKE)
+
+    def stop_liveness(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         self.root_cause = None
+        self.lost_peers = []
         if self.host_store:
             # One node: this agent serves each attempt's workers a new store, already listening
             # on the port rendezvous picked, so no worker waits out a connect backoff for rank 0
@@ -103,6 +162,10 @@ class DistrunAgent(LocalElasticAgent):
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
+        if self.liveness is not None:
+            lost = self.liveness.lost()
+            if lost and self.root_cause is None:
+                return self._lose(worker_group, lost)
         self._stop_siblings_of_failure(worker_group)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.root_cause:
@@ -116,6 +179,30 @@ class DistrunAgent(LocalElasticAgent):
                      f"from the latest checkpoint (restart {self.restarts} of "
                      f"{spec.max_restarts})")
         return result
+
+    def _lose(self, worker_group: Any, lost: list[LostPeer]) -> RunResult:
+        """Stop this node's workers (they wait on the lost peers) and fail the attempt."""
+        self.lost_peers = lost
+        names = ", ".join(f"{p.hostname} (node {p.group_rank})" for p in lost)
+        quiet = max(p.silent_for for p in lost)
+        _say(f"lost host {names}: no heartbeat for {quiet:.0f} s; stopping this node's "
+             "workers to re-form without it")
+        self._kill_workers()
+        first = min(w.global_rank for w in worker_group.workers)
+        self.root_cause = (first, -int(signal.SIGKILL))
+        if self._remaining_restarts > 0:
+            self.restarts += 1
+            _say(f"re-forming from the latest checkpoint (restart {self.restarts} of "
+                 f"{worker_group.spec.max_restarts})")
+        return RunResult(state=WorkerState.FAILED)
+
+    def _kill_workers(self) -> None:
+        """SIGKILL this node's workers: they cannot finish a step without their peers."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        procs = [h.proc for h in handlers.values() if h.proc.poll() is None]
+        _signal(procs, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
 
     def _stop_siblings_of_failure(self, worker_group: Any) -> None:
         pcontext = self._pcontext
@@ -221,13 +308,28 @@ def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
+def rendezvous_defaults(plan: ElasticPlan) -> dict[str, Any]:
+    """torch's rendezvous timings that bound a re-form, derived from ``--heartbeat-timeout``.
+
+    A re-form after a lost host waits for torch to drop the host from the rendezvous (its
+    keep-alive expires after ``keep_alive_interval * keep_alive_max_attempt`` seconds: made
+    no longer than the heartbeat timeout, so it has expired when distrun names the loss),
+    then for ``last_call_timeout`` (torch's 30 s default would double the bound; late hosts
+    still join through a scale-up), and a cut-off node's store calls give up after
+    ``read_timeout`` (torch's 60 s). ``--rdzv-conf`` overrides each.
+    """
+    timeout = plan.heartbeat_timeout
+    return {"keep_alive_interval": max(1, int(timeout // 3)), "keep_alive_max_attempt": 3,
+            "last_call_timeout": 3, "read_timeout": max(5, int(timeout))}
+
+
 def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str]) -> int:
     """Run the workers of this node under the elastic agent; the exit code of the run."""
     _prepare_environ(plan, environ)
     _quiet_torch_logs(plan.debug)
     if plan.max_nodes == 1 and plan.rdzv_backend == "c10d":
         _skip_join_skew()
-    configs = {"timeout": 900, **plan.rdzv_configs}
+    configs = {"timeout": 900, **rendezvous_defaults(plan), **plan.rdzv_configs}
     params = RendezvousParameters(
         backend=plan.rdzv_backend, endpoint=plan.rdzv_endpoint, run_id=plan.run_id,
         min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, local_addr=plan.local_addr,
@@ -254,9 +356,14 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir),
                          start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
-                         host_store=host_store)
+                         plan=plan, host_store=host_store)
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
+
+    def woken(signum: int, frame: Any) -> None:
+        raise CutOff(plan.rdzv_endpoint, agent.cut_off_after or plan.heartbeat_timeout)
+
+    previous = signal.signal(_WAKE, woken)
     try:
         result = agent.run()
     except SignalException as exc:
@@ -271,10 +378,29 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         return exit_code(-int(sig))
     except RendezvousGracefulExitError:
         return 0
+    except CutOff as exc:
+        shutdown_rdzv = False
+        _say(str(exc))
+        return EXIT_REQUEUE
+    except RendezvousConnectionError:
+        # torch's own store calls gave up first (--rdzv-conf read_timeout): the same loss
+        shutdown_rdzv = False
+        agent._kill_workers()
+        _say(str(CutOff(plan.rdzv_endpoint)))
+        return EXIT_REQUEUE
+    except RendezvousTimeoutError:
+        join = configs.get("join_timeout", 600)
+        raise DistrunError(
+            f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint}: fewer than {plan.min_nodes} "
+            f"node{'s' * (plan.min_nodes != 1)} joined within join_timeout={join} s (start "
+            "the other nodes with the same --rdzv-endpoint and --rdzv-id, or give more time: "
+            "--rdzv-conf join_timeout=SECONDS)") from None
     except RendezvousError as exc:
-        raise DistrunError(f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} failed: {exc}") \
-            from None
+        raise DistrunError(f"rendezvous {plan.run_id!r} at {plan.rdzv_endpoint} failed: "
+                           f"{exc or type(exc).__name__}") from None
     finally:
+        agent.stop_liveness()
+        signal.signal(_WAKE, previous)
         relay.close()
         if shutdown_rdzv:
             try:
@@ -297,6 +423,11 @@ def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
         _say(f"the workers saved a checkpoint and stopped; exit {EXIT_REQUEUE} (requeue)")
         return code
     tail = relay.tails.get(rank)
+    if agent.lost_peers:
+        names = ", ".join(p.hostname for p in agent.lost_peers)
+        _say(f"lost host {names} and no restarts left ({agent.restarts} used; "
+             "--max-restarts N lets the run re-form without it)")
+        return 1
     if agent.restarts:
         _say(f"no restarts left ({agent.restarts} used)")
     if tail is not None:

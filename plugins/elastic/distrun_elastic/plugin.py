@@ -27,6 +27,10 @@ def distrun_register_options(register):
         metavar="ID", aliases=("--rdzv_id",))
     opt("rdzv_conf", str, "", "extra rendezvous settings, e.g. last_call_timeout=5,"
         "join_timeout=600", metavar="K=V,...", aliases=("--rdzv_conf",))
+    opt("heartbeat_timeout", float, 15.0,
+        "seconds without a heartbeat from another node's agent before the others re-form "
+        "without it (a host that is down, frozen or cut off); --timeout still bounds a "
+        "collective that is merely slow", min=1.0, metavar="SECONDS")
     opt("monitor_interval", float, 0.1, "how often the agent checks on the workers", min=0.01,
         metavar="SECONDS", aliases=("--monitor_interval",))
 

@@ -65,6 +65,12 @@ class ElasticPlan:
     role: str = "default"
     #: TORCHELASTIC_SIGNALS_TO_HANDLE; empty: the plugin's own list
     signals: str = ""
+    #: seconds without a heartbeat after which a node counts as lost (see liveness)
+    heartbeat_timeout: float = 15.0
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return min(2.0, self.heartbeat_timeout / 5)
 
 
 def _node_range(nnodes: str) -> tuple[int, int]:
@@ -165,6 +171,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         local_addr=local_addr, log_dir=log_dir, tee=config.tee, debug=config.debug,
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
+        heartbeat_timeout=config.heartbeat_timeout,
     )
     return plan, config
 

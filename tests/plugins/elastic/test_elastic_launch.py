@@ -154,3 +154,39 @@ def test_requeue_and_usage_error_exits_are_not_restarted(tmp_path, code, said):
     assert "restarting" not in result.stderr
     assert said in result.stderr
     assert result.stdout.count("ENV ") == 2  # one attempt only
+
+
+def test_rendezvous_timings_follow_the_heartbeat_timeout_and_rdzv_conf_wins():
+    """torch's keep-alive expiry fits inside the heartbeat timeout (a lost host is out of the
+    rendezvous when distrun names it), its last call and store reads are short; every key the
+    user gives in --rdzv-conf is kept as given."""
+    from distrun_elastic.agent import rendezvous_defaults
+    from distrun_elastic.settings import make_plan
+
+    plan, _ = make_plan(config_of(nnodes="1:2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="j",
+                                  heartbeat_timeout=9), {})
+    derived = rendezvous_defaults(plan)
+    assert derived["keep_alive_interval"] * derived["keep_alive_max_attempt"] <= 9
+    assert derived["last_call_timeout"] < 30 and derived["read_timeout"] < 60
+    given = "last_call_timeout=11,keep_alive_interval=7,join_timeout=5,close_timeout=6"
+    plan, _ = make_plan(config_of(nnodes="1:2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="j",
+                                  rdzv_conf=given), {})
+    assert {**rendezvous_defaults(plan), **plan.rdzv_configs}["last_call_timeout"] == "11"
+    assert plan.rdzv_configs == {"last_call_timeout": "11", "keep_alive_interval": "7",
+                                 "join_timeout": "5", "close_timeout": "6"}
+
+
+def test_a_rendezvous_that_never_completes_ends_at_join_timeout_in_one_line(tmp_path):
+    """--rdzv-conf join_timeout reaches torch's rendezvous: alone where 2 nodes are needed,
+    the node gives up after 3 s (not torch's 600) and says what to do."""
+    from distrun.testing import free_port
+
+    port = free_port()
+    result = run_cli("run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     "--rdzv-id", "alone", "--rdzv-conf", "join_timeout=3",
+                     "tests.core.tiny_task:TinyTask", cwd=tmp_path, env=ENV, timeout=120)
+    assert result.returncode == 1, result
+    assert result.stderr.splitlines()[-1] == (
+        f"error: rendezvous 'alone' at 127.0.0.1:{port}: fewer than 2 nodes joined within "
+        "join_timeout=3 s (start the other nodes with the same --rdzv-endpoint and --rdzv-id, "
+        "or give more time: --rdzv-conf join_timeout=SECONDS)")
