@@ -150,6 +150,19 @@ IN_PROCESS = {
     "standalone_with_nodes": Case(
         ("run", "--standalone", "--nnodes", "2", "task.py"),
         "error: --standalone runs on one node but --nnodes is 2 (drop one of them)"),
+    # issue 26 -------------------------------------------------------------------------------
+    "run_dir_under_a_file": Case(  # the folder numbering looped forever
+        ("run", "--run-dir", "FILE/run", "task.py:T"),
+        "error: cannot make the run folder FILE/run: FILE is a file, not a folder (choose "
+        "another --run-dir)", make={"FILE": "x"}),
+    "run_dir_is_a_file": Case(
+        ("run", "--run-dir", "FILE", "task.py:T"),
+        "error: the run folder FILE is a file, not a folder (move it away, or choose another "
+        "--run-dir or --name)", make={"FILE": "x"}),
+    "run_dir_the_system_refuses": Case(  # was a 48-line launcher traceback
+        ("run", "--run-dir", "/proc/distrun-run", "task.py:T"),
+        "error: cannot make the run folder /proc/distrun-run: No such file or directory "
+        "(choose another --run-dir)"),
     "signal_name": Case(
         ("run", "--signals-to-handle", "SIGTERM,SIGNOPE", "task.py"),
         "error: invalid value for --signals-to-handle: 'SIGTERM,SIGNOPE' names no signal "

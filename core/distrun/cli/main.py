@@ -14,13 +14,8 @@ from typing import Any
 import click
 
 from distrun._version import __version__
-from distrun.config.run_config import (
-    CONFIG_ENV,
-    RunConfig,
-    fresh_run_folder,
-    resolve_config,
-    with_values,
-)
+from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
+from distrun.config.run_dir import fresh_run_folder
 from distrun.registry.collect import (
     apply_cluster_env,
     choose_backends,

@@ -20,7 +20,7 @@ from typing import Any
 from distrun.spec.errors import UsageError, suggest
 from distrun.spec.options import Option, coerce
 
-__all__ = ["RunConfig", "core_options", "fresh_run_folder", "resolve_config", "CONFIG_ENV"]
+__all__ = ["RunConfig", "core_options", "resolve_config", "with_values", "CONFIG_ENV"]
 
 #: the launcher hands the resolved explicit values to workers in this variable (JSON)
 CONFIG_ENV = "DISTRUN_CONFIG"
@@ -367,48 +367,6 @@ def _check(config: RunConfig) -> None:
             f"--node-rank {config.node_rank} is out of range for --nnodes {nnodes} "
             f"(use 0..{int(nnodes) - 1})"
         )
-
-
-def _continues(config: RunConfig) -> bool:
-    """True when the run picks up an earlier one in the same folder (its checkpoints)."""
-    # --max-restarts (distrun-elastic) resumes every start from the folder's checkpoints, a
-    # requeued job included.
-    return config.resume != "never" or bool(config.get("max_restarts", 0))
-
-
-def fresh_run_folder(config: RunConfig, say: bool = False) -> RunConfig:
-    """``config`` with a run folder no earlier run has written into.
-
-    A folder that exists and holds anything belongs to an earlier run: this one gets
-    ``NAME-2`` (``-3``, ...) beside it, unless it continues that run (``--resume`` other than
-    never, or restarts). ``say`` prints one line about the move.
-    """
-    run_dir = config.run_dir
-    if not run_dir or _continues(config) or not _used(run_dir):
-        return config
-    n = 2
-    while _used(f"{run_dir}-{n}"):
-        n += 1
-    values: dict[str, Any] = {"run_dir": f"{run_dir}-{n}"}
-    if config.name and os.path.basename(os.path.normpath(run_dir)) == config.name:
-        values["name"] = f"{config.name}-{n}"
-    if say:
-        print(f"distrun: {run_dir} holds an earlier run; this run writes {values['run_dir']} "
-              "(--resume auto continues the earlier one)", file=sys.stderr, flush=True)
-    sources = {k: config.sources.get(k, "launcher") for k in values}
-    out = config
-    for key, value in values.items():
-        out = with_values(out, source=sources[key], **{key: value})
-    return out
-
-
-def _used(path: str) -> bool:
-    try:
-        return bool(os.listdir(path))
-    except NotADirectoryError:
-        return True
-    except OSError:
-        return False
 
 
 def with_values(config: RunConfig, source: str = "launcher", **values: Any) -> RunConfig:

@@ -18,10 +18,11 @@ import sys
 import time
 from typing import Any
 
+from distrun.spec.errors import UsageError
 from distrun.spec.markers import hookimpl
 
-__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "render_config",
-           "value_sources", "write_config"]
+__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "make_folder",
+           "render_config", "value_sources", "write_config"]
 
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
@@ -117,8 +118,17 @@ def add_code_values(config: Any, path: str) -> None:
     _write_atomic(path, text)
 
 
+def make_folder(path: str, what: str = "the run folder", flag: str = "--run-dir") -> None:
+    """Make the folder ``path`` (and its parents); one line when the system refuses."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise UsageError(f"cannot make {what} {path}: {reason} (choose another {flag})") from None
+
+
 def _write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_folder(os.path.dirname(path) or ".")
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
         fh.write(text)

@@ -38,7 +38,8 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
     config = resolve_config(collect_options(pm), code=code, inherited=inherited,
                             inherited_sources=sources)
     if not config.run_dir:
-        from distrun.config.run_config import fresh_run_folder, with_values
+        from distrun.config.run_config import with_values
+        from distrun.config.run_dir import fresh_run_folder
 
         name = config.name or _script_name()
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -158,9 +159,10 @@ class Trainer:
                 from distrun.config.run_config import with_values
 
                 config = with_values(config, stage=stage)
+            # a plugin may refuse the config here, and rank 0 writes the run folder's config
+            pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
         except DistrunError as exc:
             _exit_on_error(exc, debug=bool(self._options.get("debug")))
-        pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
         self._run = Run(config, task, pm)
         _OPEN = self
         _register_close()
