@@ -291,3 +291,88 @@ def test_a_rank_stuck_at_import_is_reported_as_that_not_as_uneven_inputs(tmp_pat
         "before training (at import, in setup or loading data) or never started; see the other "
         "ranks' output, or change the limit with --timeout SECONDS or DISTRUN_TIMEOUT"], result
     assert "uneven" not in result.output
+
+
+# -- issue 26: one traceback, and the error quoted, whatever else a rank prints ---------------
+FAILING = """
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+import distrun
+
+if os.environ.get("SAY_AT_EXIT"):
+    atexit.register(print, "an unrelated line printed at exit")  # stdout, after the error
+
+
+class T(distrun.Task):
+    def configure_model(self):
+        if os.environ.get("MODEL_RAISES"):
+            if dist.is_initialized():
+                dist.barrier()  # every rank raises, together
+            raise ValueError("width 7 is not a power of two")
+        return torch.nn.Linear(2, 1)
+
+    def configure_optimizer(self, params):
+        return None if os.environ.get("NO_OPTIMIZER") else torch.optim.SGD(params, lr=0.1)
+
+    def train_data(self):
+        return torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+
+    test_data = train_data
+
+    def training_step(self, model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    def test_step(self, model, batch):
+        raise RuntimeError("test_step broke")
+"""
+USAGE_THEN_MORE = """
+import atexit, sys
+atexit.register(print, "an unrelated line printed at exit")
+print("error: --widget 3 is not a widget (use 1 or 2)", file=sys.stderr, flush=True)
+sys.exit(2)
+"""
+
+
+def _failing(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    (work / "failing.py").write_text(FAILING)
+    (work / "usage.py").write_text(USAGE_THEN_MORE)
+    return work, run_cli("-p", "no:progress", "run", "--no-summary", *args, cwd=work,
+                         env=env, timeout=120)
+
+
+def test_configure_model_raising_on_every_rank_is_one_traceback_then_one_line(tmp_path):
+    work, result = _failing(tmp_path, "--nproc-per-node", "2", "failing.py:T",
+                            env={"MODEL_RAISES": "1"})
+    assert result.returncode == 1, result
+    err = result.stderr
+    assert err.count("Traceback (most recent call last):") == 1, result
+    assert _lines(err).count("ValueError: width 7 is not a power of two") == 1, result
+    last = _lines(err)[-1]
+    match = re.fullmatch(r"distrun: rank (\d) failed with exit code 1: ValueError: width 7 is "
+                         r"not a power of two \(its output is above; rank (\d) failed the same "
+                         r"way\)", last)
+    assert match and {match[1], match[2]} == {"0", "1"}, result
+    # each rank's log still has its own traceback
+    logs = list((work / "runs").glob("*/logs/rank*.log"))
+    assert len(logs) == 2 and all("Traceback" in p.read_text() for p in logs), logs
+
+
+def test_a_failed_stage_is_quoted_not_a_line_printed_after_it(tmp_path):
+    work, result = _failing(tmp_path, "--stage", "test", "failing.py:T",
+                            env={"SAY_AT_EXIT": "1"})
+    assert result.returncode == 1, result
+    assert "an unrelated line printed at exit" in result.stdout, result
+    assert _lines(result.stderr)[-1] == (
+        "distrun: rank 0 failed with exit code 1: RuntimeError: test_step broke (its output is "
+        "above)"), result
+
+
+def test_a_usage_error_then_more_output_is_said_once_and_not_quoted(tmp_path):
+    work, result = _failing(tmp_path, "usage.py")
+    assert result.returncode == 2, result
+    assert "an unrelated line printed at exit" in result.stdout, result
+    assert _lines(result.stderr) == ["error: --widget 3 is not a widget (use 1 or 2)"], result

@@ -144,6 +144,7 @@ class _Worker:
     rank: int
     proc: subprocess.Popen
     tail: collections.deque[str] = field(default_factory=new_tail)
+    err_tail: collections.deque[str] = field(default_factory=new_tail)
     threads: list[threading.Thread] = field(default_factory=list)
     log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
@@ -366,5 +367,5 @@ def wait_with_signals(group: WorkerGroup) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
     if failed is not None and not received:
-        report_failure(failed, code)
+        report_failure(failed, code, same=group.relay.same_failure(failed.rank))
     return code
