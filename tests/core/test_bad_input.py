@@ -376,3 +376,13 @@ def test_a_usage_error_then_more_output_is_said_once_and_not_quoted(tmp_path):
     assert result.returncode == 2, result
     assert "an unrelated line printed at exit" in result.stdout, result
     assert _lines(result.stderr) == ["error: --widget 3 is not a widget (use 1 or 2)"], result
+
+
+def test_configure_optimizer_returning_none_says_what_it_returned_and_must_return(tmp_path):
+    work, result = _failing(tmp_path, "failing.py:T", env={"NO_OPTIMIZER": "1"})
+    assert result.returncode == 2, result
+    assert _lines(result.stderr) == [
+        "error: T.configure_optimizer(params) returned None; it must return a "
+        "torch.optim.Optimizer (e.g. `return torch.optim.AdamW(params, lr=1e-3)`) or "
+        "{'optimizer': o, 'lr_scheduler': s}"], result
+    assert "Traceback" not in result.output
