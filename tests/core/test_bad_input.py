@@ -163,6 +163,33 @@ IN_PROCESS = {
         ("run", "--run-dir", "/proc/distrun-run", "task.py:T"),
         "error: cannot make the run folder /proc/distrun-run: No such file or directory "
         "(choose another --run-dir)"),
+    # found only in the workers before (10-27 s): the launcher checks a Task's layout now
+    "tp_size_not_dividing_the_world": Case(  # said "for ?-way data parallel"
+        ("run", "--nproc-per-node", "2", "--strategy", "tp", "--tp-size", "3", "task.py:T"),
+        "error: --strategy tp splits layers over all 2 ranks but --tp-size is 3 (use "
+        "--tp-size 2)"),
+    "tp_size_not_the_world_under_tp": Case(
+        ("run", "--nproc-per-node", "4", "--strategy", "tp", "--tp-size", "2", "task.py:T"),
+        "error: --strategy tp splits layers over all 4 ranks but --tp-size is 2 (use "
+        "--tp-size 4, or --strategy fsdp --tp-size 2 for 2-way data parallel x 2-way tensor "
+        "parallel)"),
+    "tp_size_not_dividing_the_world_under_fsdp": Case(
+        ("run", "--nproc-per-node", "2", "--strategy", "fsdp", "--tp-size", "3", "task.py:T"),
+        "error: --tp-size 3 does not divide the world size 2 (use a tensor-parallel size that "
+        "divides 2, e.g. 1, 2)"),
+    "batch_size_not_dividing_the_world": Case(
+        ("run", "--nproc-per-node", "3", "--batch-size", "32", "task.py:T"),
+        "error: batch_size 32 is not divisible by 3 data-parallel ranks (batch_size is the "
+        "global batch; use a multiple of 3)"),
+    "batch_size_not_dividing_the_data_parallel_ranks": Case(
+        ("run", "--nproc-per-node", "4", "--strategy", "fsdp", "--tp-size", "2",
+         "--batch-size", "3", "task.py:T"),
+        "error: batch_size 3 is not divisible by 2 data-parallel ranks (batch_size is the "
+        "global batch; use a multiple of 2)"),
+    "stage_without_its_step_method": Case(
+        ("run", "--stage", "fit,test", "task.py:T"),
+        "error: --stage test: T has no test_step(model, batch); define it (it returns the loss "
+        "or a dict of metrics)"),
     "signal_name": Case(
         ("run", "--signals-to-handle", "SIGTERM,SIGNOPE", "task.py"),
         "error: invalid value for --signals-to-handle: 'SIGTERM,SIGNOPE' names no signal "
@@ -386,3 +413,25 @@ def test_configure_optimizer_returning_none_says_what_it_returned_and_must_retur
         "torch.optim.Optimizer (e.g. `return torch.optim.AdamW(params, lr=1e-3)`) or "
         "{'optimizer': o, 'lr_scheduler': s}"], result
     assert "Traceback" not in result.output
+
+
+TP_SCRIPT = """
+import torch, distrun
+from task import T
+
+distrun.fit(T(), batch_size=16)
+"""
+
+
+def test_a_tp_size_a_worker_refuses_is_its_one_line_and_no_other(tmp_path):
+    # A script's layout is known only in its workers: their line, and nothing quoted after it
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "task.py").write_text(TASK)
+    (work / "tp_script.py").write_text(TP_SCRIPT)
+    result = run_cli("-p", "no:progress", "run", "--nproc-per-node", "2", "--strategy", "tp",
+                     "--tp-size", "3", "--no-summary", "tp_script.py", cwd=work, timeout=120)
+    assert result.returncode == 2, result
+    assert _lines(result.stderr) == [
+        "error: --strategy tp splits layers over all 2 ranks but --tp-size is 3 (use "
+        "--tp-size 2)"], result

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from distrun._version import __version__
+from distrun.cli.run_checks import check_layout, check_stages, check_syntax
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.config.run_dir import fresh_run_folder
 from distrun.registry.collect import (
@@ -283,8 +284,10 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     nnodes = int(config.nnodes.partition(":")[2] or config.nnodes) \
         if config.nnodes.replace(":", "").isdigit() else None
     choose_backends(config, collect_backends(pm), nnodes)
-    # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
-    if config.strategy != "auto":
+    # "auto" is resolved in the worker for a script: a plain torchrun script never asks for a
+    # strategy. A Task's config is final here (no code can change it): check what can be.
+    task = is_task_target(target, as_module)
+    if config.strategy != "auto" or task:
         world = None
         if config.nnodes.isdigit():
             world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
@@ -294,6 +297,10 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
                 f"strategy '{info.name}' runs in one process but {world} were asked for "
                 f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
             )
+        if task and world is not None:
+            check_layout(config, info, world)
+        if task:
+            check_stages(config, target)
     # Fill only what the user left out, so flags keep "flag" as their recorded source. A plain
     # script gets a name (its workers agree on it) but a run folder only when one was asked
     # for; a Task target always has one. A script that calls distrun.fit() makes its own.
@@ -310,21 +317,6 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     if config.nnodes in ("1", "1:1") and not getattr(cluster, "per_process", False):
         config = fresh_run_folder(config, say=True)
     return config
-
-
-def _check_syntax(path: str) -> None:
-    """A script that does not compile is said in one line before any worker starts."""
-    try:
-        with open(path, "rb") as fh:
-            source = fh.read()
-        compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        text = (exc.text or "").strip()
-        where = f"{path}:{exc.lineno}" if exc.lineno else path
-        raise UsageError(f"{where}: {exc.msg}" + (f": {text}" if text else "") +
-                         " (fix the script; no worker was started)") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
 
 
 def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -> list[str]:
@@ -347,7 +339,7 @@ def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -
     command = _worker_command(target, args, as_module)
     script = target.rpartition(":")[0] if is_task_target(target, as_module) else target
     if not as_module and os.path.isfile(script):
-        _check_syntax(script)
+        check_syntax(script)
     return command
 
 

@@ -38,7 +38,7 @@ def setup_run(run: Run) -> None:
     """Strategy, model, optimizer and data, each through its hook."""
     info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm),
                            run.pm.is_blocked)
-    run.strategy = info.factory(run.config)
+    run.strategy = info.build(run.config)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
     if not run.strategy.trains:
