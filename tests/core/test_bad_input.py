@@ -8,6 +8,7 @@ subprocess. Checkpoint inputs are in tests/plugins/safetensors/test_ckpt_bad_inp
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -59,6 +60,16 @@ class Case:
     make: dict[str, str] = field(default_factory=dict)  # files to create first (path: text)
     dirs: tuple[str, ...] = ()
     skip: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # variables set for the call
+    needs: tuple[str, ...] = ()  # plugin packages the case runs with (skipped without them)
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+#: the progress bar off where it is installed (blocking an absent plugin is a warning line)
+NO_BAR = ("-p", "no:progress") if _installed("distrun_progress") else ()
 
 
 def _cuda() -> bool:
@@ -167,29 +178,41 @@ IN_PROCESS = {
     "tp_size_not_dividing_the_world": Case(  # said "for ?-way data parallel"
         ("run", "--nproc-per-node", "2", "--strategy", "tp", "--tp-size", "3", "task.py:T"),
         "error: --strategy tp splits layers over all 2 ranks but --tp-size is 3 (use "
-        "--tp-size 2)"),
+        "--tp-size 2)", needs=("distrun_tp",)),
     "tp_size_not_the_world_under_tp": Case(
         ("run", "--nproc-per-node", "4", "--strategy", "tp", "--tp-size", "2", "task.py:T"),
         "error: --strategy tp splits layers over all 4 ranks but --tp-size is 2 (use "
         "--tp-size 4, or --strategy fsdp --tp-size 2 for 2-way data parallel x 2-way tensor "
-        "parallel)"),
+        "parallel)", needs=("distrun_tp",)),
     "tp_size_not_dividing_the_world_under_fsdp": Case(
         ("run", "--nproc-per-node", "2", "--strategy", "fsdp", "--tp-size", "3", "task.py:T"),
         "error: --tp-size 3 does not divide the world size 2 (use a tensor-parallel size that "
-        "divides 2, e.g. 1, 2)"),
+        "divides 2, e.g. 1, 2)", needs=("distrun_fsdp", "distrun_tp")),
     "batch_size_not_dividing_the_world": Case(
         ("run", "--nproc-per-node", "3", "--batch-size", "32", "task.py:T"),
         "error: batch_size 32 is not divisible by 3 data-parallel ranks (batch_size is the "
-        "global batch; use a multiple of 3)"),
+        "global batch; use a multiple of 3)", needs=("distrun_ddp",)),
     "batch_size_not_dividing_the_data_parallel_ranks": Case(
         ("run", "--nproc-per-node", "4", "--strategy", "fsdp", "--tp-size", "2",
          "--batch-size", "3", "task.py:T"),
         "error: batch_size 3 is not divisible by 2 data-parallel ranks (batch_size is the "
-        "global batch; use a multiple of 2)"),
+        "global batch; use a multiple of 2)", needs=("distrun_fsdp", "distrun_tp")),
     "stage_without_its_step_method": Case(
         ("run", "--stage", "fit,test", "task.py:T"),
         "error: --stage test: T has no test_step(model, batch); define it (it returns the loss "
         "or a dict of metrics)"),
+    # an option nothing reads is an error, not a run that ignores it
+    "resume_with_the_checkpoint_plugin_blocked": Case(  # trained from scratch, exit 0
+        ("-p", "no:safetensors", "run", "--resume", "ckpt", "task.py:T"),
+        "error: --resume ckpt: no plugin reads it: 'safetensors', which implements "
+        "distrun_load_checkpoint, is blocked (-p no:safetensors or DISTRUN_BLOCK_PLUGINS); "
+        "unblock it, or drop --resume", dirs=("ckpt",), needs=("distrun_safetensors",)),
+    "resume_with_no_checkpoint_plugin_installed": Case(
+        ("run", "--resume", "ckpt", "task.py:T"),
+        "error: --resume ckpt: no plugin reads it: no installed plugin implements "
+        "distrun_load_checkpoint (install one that does: `distrun plugins` lists the installed "
+        "ones and their hooks), or drop --resume", dirs=("ckpt",),
+        env={"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1"}),
     "signal_name": Case(
         ("run", "--signals-to-handle", "SIGTERM,SIGNOPE", "task.py"),
         "error: invalid value for --signals-to-handle: 'SIGTERM,SIGNOPE' names no signal "
@@ -232,11 +255,14 @@ def test_launcher_refuses_bad_input_in_one_line(cli, tmp_path, name):
     case = IN_PROCESS[name]
     if case.skip:
         pytest.skip(case.skip)
+    missing = [p for p in case.needs if not _installed(p)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
     work = _setup(tmp_path, case)
     before = _tree(tmp_path)
     _opened = []
     try:
-        result = cli(*case.args, cwd=work, env={"DISTRUN_BLOCK_PLUGINS": None})
+        result = cli(*case.args, cwd=work, env={"DISTRUN_BLOCK_PLUGINS": None, **case.env})
         opened = list(_opened)
     finally:
         _opened = None
@@ -258,7 +284,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
     work.mkdir(exist_ok=True)
     (work / "task.py").write_text(TASK)
     (work / "imports.py").write_text(IMPORT_ERROR)
-    return work, run_cli("-p", "no:progress", *args, cwd=work, env=env, timeout=120)
+    return work, run_cli(*NO_BAR, *args, cwd=work, env=env, timeout=120)
 
 
 def _lines(text: str) -> list[str]:
@@ -367,11 +393,12 @@ def _failing(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
     work.mkdir(exist_ok=True)
     (work / "failing.py").write_text(FAILING)
     (work / "usage.py").write_text(USAGE_THEN_MORE)
-    return work, run_cli("-p", "no:progress", "run", "--no-summary", *args, cwd=work,
+    return work, run_cli(*NO_BAR, "run", "--no-summary", *args, cwd=work,
                          env=env, timeout=120)
 
 
 def test_configure_model_raising_on_every_rank_is_one_traceback_then_one_line(tmp_path):
+    pytest.importorskip("distrun_ddp", reason="two ranks train with ddp")
     work, result = _failing(tmp_path, "--nproc-per-node", "2", "failing.py:T",
                             env={"MODEL_RAISES": "1"})
     assert result.returncode == 1, result
@@ -424,14 +451,54 @@ distrun.fit(T(), batch_size=16)
 
 
 def test_a_tp_size_a_worker_refuses_is_its_one_line_and_no_other(tmp_path):
+    pytest.importorskip("distrun_tp", reason="--strategy tp")
     # A script's layout is known only in its workers: their line, and nothing quoted after it
     work = tmp_path / "work"
     work.mkdir()
     (work / "task.py").write_text(TASK)
     (work / "tp_script.py").write_text(TP_SCRIPT)
-    result = run_cli("-p", "no:progress", "run", "--nproc-per-node", "2", "--strategy", "tp",
+    result = run_cli(*NO_BAR, "run", "--nproc-per-node", "2", "--strategy", "tp",
                      "--tp-size", "3", "--no-summary", "tp_script.py", cwd=work, timeout=120)
     assert result.returncode == 2, result
     assert _lines(result.stderr) == [
         "error: --strategy tp splits layers over all 2 ranks but --tp-size is 3 (use "
         "--tp-size 2)"], result
+
+
+
+def test_blocking_a_plugin_that_does_not_exist_warns_with_the_closest_name(cli, tmp_path):
+    result = cli("-p", "no:consol", "plugins", cwd=tmp_path)
+    assert result.returncode == 0, result  # as pytest: said, not fatal
+    assert _lines(result.stderr) == [
+        "warning: -p no:consol blocks nothing: no installed plugin is named 'consol' (did you "
+        "mean 'console'? `distrun plugins` lists the names)"], result
+    assert "console " in result.stdout  # nothing was blocked
+    env = cli("plugins", cwd=tmp_path, env={"DISTRUN_BLOCK_PLUGINS": "xyzzy"})
+    assert env.returncode == 0 and _lines(env.stderr) == [
+        "warning: DISTRUN_BLOCK_PLUGINS=xyzzy blocks nothing: no installed plugin is named "
+        "'xyzzy' (`distrun plugins` lists the names)"], env
+
+
+RESUME_SCRIPT = """
+import distrun
+from task import T
+
+distrun.fit(T(), batch_size=16)
+"""
+
+
+@pytest.mark.slow
+def test_resume_that_no_plugin_reads_is_refused_by_a_script_s_workers(tmp_path):
+    pytest.importorskip("distrun_safetensors", reason="the plugin -p no: blocks")
+    # a script may register plugins in code: its workers check, after they did
+    work = tmp_path / "work"
+    (work / "ckpt").mkdir(parents=True)
+    (work / "task.py").write_text(TASK)
+    (work / "resume_script.py").write_text(RESUME_SCRIPT)
+    result = run_cli("-p", "no:safetensors", *NO_BAR, "run", "--resume", "ckpt",
+                     "resume_script.py", cwd=work, timeout=120)
+    assert result.returncode == 2, result
+    assert _lines(result.stderr) == [
+        "error: --resume ckpt: no plugin reads it: 'safetensors', which implements "
+        "distrun_load_checkpoint, is blocked (-p no:safetensors or DISTRUN_BLOCK_PLUGINS); "
+        "unblock it, or drop --resume"], result

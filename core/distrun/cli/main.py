@@ -19,6 +19,7 @@ from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, wit
 from distrun.config.run_dir import fresh_run_folder
 from distrun.registry.collect import (
     apply_cluster_env,
+    check_consumed,
     choose_backends,
     choose_strategy,
     collect_backends,
@@ -28,11 +29,12 @@ from distrun.registry.collect import (
 from distrun.registry.manager import (
     BLOCK_ENV,
     EXTRA_ENV,
+    known_plugin_names,
     make_plugin_manager,
     plugin_infos,
     set_plugin_manager,
 )
-from distrun.spec.errors import DistrunError, UsageError
+from distrun.spec.errors import DistrunError, UsageError, closest
 
 __all__ = ["main", "build_cli"]
 
@@ -301,6 +303,8 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
             check_layout(config, info, world)
         if task:
             check_stages(config, target)
+    if is_task_target(target, as_module):  # a script may still register plugins in code
+        check_consumed(pm, options, config)
     # Fill only what the user left out, so flags keep "flag" as their recorded source. A plain
     # script gets a name (its workers agree on it) but a run folder only when one was asked
     # for; a Task target always has one. A script that calls distrun.fit() makes its own.
@@ -367,12 +371,28 @@ def _plugin_hint(exc: click.UsageError) -> str:
     return ""
 
 
+def _warn_unknown_blocked(pm: Any, blocked: list[str], extra: list[str]) -> None:
+    """``-p no:NAME`` (or ``DISTRUN_BLOCK_PLUGINS``) naming no plugin is a typo: said, not fatal
+    (as pytest does), with the closest name."""
+    from_env = [n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()]
+    known = known_plugin_names(pm) | set(extra)
+    for name in dict.fromkeys([*blocked, *from_env]):
+        if name in known:
+            continue
+        where = f"-p no:{name}" if name in blocked else f"{BLOCK_ENV}={name}"
+        close = closest(name, known)
+        hint = f"did you mean '{close}'? " if close else ""
+        print(f"warning: {where} blocks nothing: no installed plugin is named '{name}' ({hint}"
+              "`distrun plugins` lists the names)", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     blocked, extra, debug = _scan_plugin_flags(argv)
     try:
         pm = make_plugin_manager(blocked=blocked, extra=extra)
         set_plugin_manager(pm)
+        _warn_unknown_blocked(pm, blocked, extra)
         cli = build_cli(pm)
         cli.main(args=argv, prog_name="distrun", standalone_mode=False)
     except click.exceptions.Exit as exc:

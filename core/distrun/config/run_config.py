@@ -134,7 +134,8 @@ class RunConfig:
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
                                "'latest' (the same, but one must exist), 'best' (the best-k "
-                               "one, with --ckpt-monitor) or a PATH")
+                               "one, with --ckpt-monitor) or a PATH",
+                       consumer="distrun_load_checkpoint")
     name: str = _opt("", "run name (default: the script's name and the start time)",
                      parse=_run_name)
     run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "

@@ -19,6 +19,9 @@ class Option:
     key ``ddp_bucket_mb`` and the environment variable ``DISTRUN_DDP_BUCKET_MB``.
     ``type`` is one of bool, int, float, str; ``choices`` limits the values; ``min`` bounds
     numbers from below and ``max`` from above; ``parse`` replaces the built-in conversion for special values.
+    ``consumer`` names the hook that reads the option when the option's reader is another
+    plugin than its declarer (``resume``: ``distrun_load_checkpoint``): a value the user set
+    while no plugin implements that hook is an error, not a silent no-op.
     """
 
     name: str
@@ -33,6 +36,7 @@ class Option:
     metavar: str | None = None
     plugin: str = "core"
     hidden: bool = field(default=False, compare=False)
+    consumer: str = ""
 
     @property
     def flag(self) -> str:

@@ -13,7 +13,7 @@ import time
 from typing import Any, cast
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
-from distrun.registry.collect import collect_options
+from distrun.registry.collect import check_consumed, collect_options
 from distrun.registry.manager import get_plugin_manager
 from distrun.spec.errors import DistrunError, UsageError, first_line
 from distrun.spec.stash import StashKey
@@ -155,6 +155,7 @@ class Trainer:
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
             config = self._config or worker_config(pm, self._options)
+            check_consumed(pm, collect_options(pm), config)
             if stage is not None:
                 from distrun.config.run_config import with_values
 
