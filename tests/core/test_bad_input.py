@@ -502,3 +502,22 @@ def test_resume_that_no_plugin_reads_is_refused_by_a_script_s_workers(tmp_path):
         "error: --resume ckpt: no plugin reads it: 'safetensors', which implements "
         "distrun_load_checkpoint, is blocked (-p no:safetensors or DISTRUN_BLOCK_PLUGINS); "
         "unblock it, or drop --resume"], result
+
+
+def test_a_run_the_launcher_refuses_leaves_no_run_folder(cli, tmp_path):
+    # the port is found busy inside the launch, after the run folder used to be made
+    import socket
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "task.py").write_text(TASK)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = cli("run", "--master-port", str(port), "--name", "x", "task.py:T", cwd=work)
+    assert result.returncode == 2, result
+    assert _lines(result.stderr) == [
+        f"error: port {port} on 127.0.0.1 is in use (pick another --master-port, or 0 for a "
+        "free one)"], result
+    assert sorted(os.listdir(work)) == ["task.py"], "the refused run left a folder"

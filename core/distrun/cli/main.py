@@ -17,6 +17,7 @@ from distrun._version import __version__
 from distrun.cli.run_checks import check_layout, check_stages, check_syntax
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.config.run_dir import fresh_run_folder
+from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
 from distrun.registry.collect import (
     apply_cluster_env,
     check_consumed,
@@ -353,6 +354,7 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
+    environ[RUN_KEY_ENV] = new_run_key()  # every process of this run, restarts included
     blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
     if blocked:
         environ[BLOCK_ENV] = ",".join(blocked)

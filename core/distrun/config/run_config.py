@@ -139,7 +139,7 @@ class RunConfig:
     name: str = _opt("", "run name (default: the script's name and the start time)",
                      parse=_run_name)
     run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
-                            "only when asked: --name or --run-dir)")
+                            "only when asked: --name or --run-dir)", exclusive=True)
     stage: str = _opt("fit", "what to run: fit, validate, test or predict, or several in order "
                              "(fit,test); an evaluation alone loads --resume's checkpoint",
                       parse=_stages, metavar="STAGE[,STAGE]")

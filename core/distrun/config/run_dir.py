@@ -20,7 +20,7 @@ def check_run_dir(run_dir: str) -> None:
 
     The nearest part of ``run_dir`` that exists must be a folder (a symlink to one counts).
     A folder that cannot be written into for another reason (permissions, ``/proc``) is said
-    when the launcher makes it (:func:`distrun.launch.run_folder.make_folder`).
+    when the launcher makes it (:func:`distrun.launch.folder_lock.make_folder`).
     """
     probe = os.path.abspath(run_dir)
     while not os.path.lexists(probe):

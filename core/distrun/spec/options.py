@@ -22,6 +22,9 @@ class Option:
     ``consumer`` names the hook that reads the option when the option's reader is another
     plugin than its declarer (``resume``: ``distrun_load_checkpoint``): a value the user set
     while no plugin implements that hook is an error, not a silent no-op.
+    ``exclusive`` marks a folder option that one live run uses at a time (the run folder, a
+    checkpoint folder): the core locks the folder for the run's life and refuses a second run
+    (:mod:`distrun.launch.folder_lock`).
     """
 
     name: str
@@ -37,6 +40,7 @@ class Option:
     plugin: str = "core"
     hidden: bool = field(default=False, compare=False)
     consumer: str = ""
+    exclusive: bool = False
 
     @property
     def flag(self) -> str:

@@ -13,6 +13,7 @@ import time
 from typing import Any, cast
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
+from distrun.launch.folder_lock import lock_run_folders, release_all, run_key
 from distrun.registry.collect import check_consumed, collect_options
 from distrun.registry.manager import get_plugin_manager
 from distrun.spec.errors import DistrunError, UsageError, first_line
@@ -93,6 +94,7 @@ class Trainer:
         self._options = options
         self._plugins = plugins
         self._run: Run | None = None  # the open session: its strategy and model are live
+        self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
 
     # -- the stages -------------------------------------------------------------------------
     def fit(self, task: Any) -> Run:
@@ -122,8 +124,12 @@ class Trainer:
         global _OPEN
         if _OPEN is self:
             _OPEN = None
-        if run is not None and run.strategy is not None:
-            run.strategy.teardown()
+        try:
+            if run is not None and run.strategy is not None:
+                run.strategy.teardown()
+        finally:
+            release_all(self._locks)
+            self._locks = []
 
     def __enter__(self) -> Trainer:
         return self
@@ -156,6 +162,8 @@ class Trainer:
                     pm.register(plugin)
             config = self._config or worker_config(pm, self._options)
             check_consumed(pm, collect_options(pm), config)
+            if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
+                self._locks = lock_run_folders(config, collect_options(pm), run_key())
             if stage is not None:
                 from distrun.config.run_config import with_values
 
