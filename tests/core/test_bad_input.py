@@ -521,3 +521,70 @@ def test_a_run_the_launcher_refuses_leaves_no_run_folder(cli, tmp_path):
         f"error: port {port} on 127.0.0.1 is in use (pick another --master-port, or 0 for a "
         "free one)"], result
     assert sorted(os.listdir(work)) == ["task.py"], "the refused run left a folder"
+
+
+# -- issue 26: run options that would be lost, and more ranks than cores: a warning each -------
+PLAIN = "import sys\nprint('argv', sys.argv[1:])\n"
+FIT_SCRIPT = """
+import argparse
+import distrun
+from task import T
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--seed", type=int, default=0)  # the script's own: it passes it on
+args, _ = parser.parse_known_args()
+distrun.fit(T(), batch_size=16, seed=args.seed, summary=False)
+"""
+
+
+def _scripts(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "task.py").write_text(TASK)
+    (work / "plain.py").write_text(PLAIN)
+    (work / "fit_script.py").write_text(FIT_SCRIPT)
+    return work
+
+
+def test_launcher_options_after_a_script_are_one_warning_and_stay_the_script_s(tmp_path):
+    work = _scripts(tmp_path)
+    result = run_cli("run", "plain.py", "--nproc-per-node", "2", "--strategy=ddp", "--lr", "1",
+                     "-r", "3", cwd=work, timeout=60)
+    assert result.returncode == 0, result
+    assert _lines(result.stderr) == [
+        "warning: --nproc-per-node, --strategy after plain.py go to plain.py, not to distrun "
+        "(put run options before the script: distrun run --nproc-per-node 2 --strategy=ddp "
+        "plain.py)"], result
+    # torchrun's rule: everything after the script is the script's, unchanged, on one worker
+    assert _lines(result.stdout) == [
+        "argv ['--nproc-per-node', '2', '--strategy=ddp', '--lr', '1', '-r', '3']"], result
+    # options a script may well have of its own (--lr, --seed, -r) are not warned about
+    quiet = run_cli("run", "plain.py", "--lr", "1", "--seed", "3", cwd=work, timeout=60)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet
+
+
+@pytest.mark.slow
+def test_a_run_option_a_fit_script_did_not_pass_on_is_one_warning(tmp_path):
+    work = _scripts(tmp_path)
+    result = run_cli(*NO_BAR, "run", "fit_script.py", "--max-steps", "2", "--seed", "3",
+                     cwd=work, timeout=120)
+    assert result.returncode == 0, result
+    assert _lines(result.stderr) == [
+        "warning: fit_script.py was given --max-steps but did not pass it to "
+        "distrun.fit/Trainer, so the run ignores it (put run options before the script: "
+        "distrun run --max-steps 2 fit_script.py, or pass it in code)"], result
+
+
+def test_more_ranks_than_cores_is_one_warning(tmp_path):
+    work = _scripts(tmp_path)
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(affinity)})  # the launcher inherits one core
+    try:
+        result = run_cli("run", "--nproc-per-node", "2", "plain.py", cwd=work, timeout=60)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    assert result.returncode == 0, result
+    assert _lines(result.stderr) == [
+        "warning: 2 worker processes on 1 CPU core: they take turns on the cores, so each step "
+        "is slower than with fewer ranks (--nproc-per-node 1 fits this machine)"], result
+    assert _lines(result.stdout) == ["argv []", "argv []"], result

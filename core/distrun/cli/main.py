@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import click
 
 from distrun._version import __version__
+from distrun.cli.run_args import RunCommand, is_task_target
 from distrun.cli.run_checks import check_layout, check_stages, check_syntax
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.config.run_dir import fresh_run_folder
@@ -92,90 +92,6 @@ def _option_to_click(opt: Any) -> click.Option:
                         metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
 
 
-#: torchrun flags distrun does not carry out, and why (said in one line, exit 2)
-UNSUPPORTED_TORCHRUN = {
-    "--logs-specs": "custom LogsSpecs classes are torch's agent's; distrun relays output itself "
-                    "(use --log-dir, --redirects, --local-ranks-filter)",
-    "--event-log-handler": "torch's event log handlers are not wired into distrun's launcher",
-    "--numa-binding": "NUMA binding is not supported (bind with numactl around `distrun run`)",
-    "--virtual-local-rank": "every worker sees its own LOCAL_RANK (no virtual local rank)",
-    "--duplicate-stdout-filters": "output filters are not supported (filter with grep)",
-    "--duplicate-stderr-filters": "output filters are not supported (filter with grep)",
-    "--local-addr": "the local launcher binds 127.0.0.1 on one node and --master-addr across "
-                    "nodes (give --master-addr, or --rdzv-endpoint with distrun-elastic)",
-    "--shutdown-timeout": "the stop grace is fixed at 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
-                          "sets it under distrun-elastic)",
-}
-#: torchrun's stream choices for --tee N / -t N (distrun's --tee is a switch)
-_STD_VALUE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
-
-
-def is_task_target(target: str, as_module: bool = False) -> bool:
-    """``pkg.module:Task`` or ``file.py:Task`` (not a script path, not ``-m``)."""
-    return not as_module and ":" in target and not target.endswith(".py") \
-        and not os.path.isfile(target)
-
-
-class RunCommand(click.Command):
-    """``distrun run``: torchrun's spellings are read here, before click parses.
-
-    - ``--tee N`` / ``-t N`` with torchrun's values becomes distrun's ``--tee`` switch (N > 0)
-      or ``--no-tee`` (0); ``--tee`` alone stays the switch;
-    - options after a Task target (``train.py:Task --max-epochs 5``) are run options, as if
-      they came before it; after a script or ``-m MODULE`` they stay the script's.
-    """
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        takes_value = {}
-        for param in self.params:
-            if isinstance(param, click.Option):
-                for name in (*param.opts, *param.secondary_opts):
-                    takes_value[name] = not param.is_flag
-        out: list[str] = []
-        i, as_module = 0, False
-        while i < len(args):
-            arg = args[i]
-            name = arg.split("=", 1)[0]
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            if arg == "--":
-                out.extend(args[i:])
-                return super().parse_args(ctx, out)
-            if name in UNSUPPORTED_TORCHRUN or name.replace("_", "-") in UNSUPPORTED_TORCHRUN:
-                flag = name.replace("_", "-")
-                raise click.UsageError(f"torchrun's {flag} is not supported by distrun: "
-                                       f"{UNSUPPORTED_TORCHRUN[flag]}", ctx)
-            if name in ("--tee", "-t"):
-                value = arg.partition("=")[2] if "=" in arg else None
-                if value is None and nxt is not None and _STD_VALUE.match(nxt):
-                    value, i = nxt, i + 1
-                if value is not None and not _STD_VALUE.match(value):
-                    raise click.UsageError(
-                        f"invalid value for --tee: {value!r} (torchrun's values: 0-3 or "
-                        "LOCAL_RANK:N,...; or --tee alone to prefix each line with its rank)",
-                        ctx)
-                on = value is None or any(p.rsplit(":", 1)[-1] != "0" for p in value.split(","))
-                out.append("--tee" if on else "--no-tee")
-                i += 1
-                continue
-            if arg.startswith("-") and arg != "-":
-                if name in ("-m", "--module"):
-                    as_module = True
-                out.append(arg)
-                if "=" not in arg and takes_value.get(name) and nxt is not None:
-                    out.append(nxt)
-                    i += 1
-                i += 1
-                continue
-            # the target: what follows is the script's, unless the target is a Task
-            rest = args[i + 1:]
-            if is_task_target(arg, as_module) and rest and rest[0] != "--":
-                out.extend([*rest, arg])
-            else:
-                out.extend([arg, *rest])
-            return super().parse_args(ctx, out)
-        return super().parse_args(ctx, out)
-
-
 def build_cli(pm: Any) -> click.Group:
     @click.group(context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "--version", prog_name="distrun")
@@ -213,6 +129,9 @@ def build_cli(pm: Any) -> click.Group:
         click_opt = _option_to_click(opt)
         click_opt.name = opt.name
         run_cmd.params.append(click_opt)
+    run_cmd.launcher_only = frozenset(
+        name for opt in options if opt.launcher_only for name in (opt.flag, *opt.aliases)
+        if name.startswith("--"))
     cli.add_command(run_cmd)
 
     @cli.command("plugins")

@@ -114,7 +114,8 @@ class RunConfig:
     """Everything that shapes a run. Build it with :func:`resolve_config`; it is immutable."""
 
     # --- what to train and how -----------------------------------------------------------
-    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)")
+    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)",
+                         launcher_only=True)
     seed: int = _opt(0, "seed of model init, data order and RNG", min=0)
     max_epochs: int = _opt(1, "epochs to train", min=1)
     max_steps: int = _opt(-1, "stop after this many optimizer steps (-1: no limit)", min=-1)
@@ -128,7 +129,7 @@ class RunConfig:
     backend: str = _opt("auto", "communication backend: a name (gloo, nccl, mpi, or one a "
                                 "plugin offers: `distrun env` lists them) or a device map "
                                 "(cpu:gloo,cuda:nccl); 'auto': nccl on CUDA, gloo on CPU",
-                        parse=_backend, metavar="NAME|DEVICE:NAME,...")
+                        parse=_backend, metavar="NAME|DEVICE:NAME,...", launcher_only=True)
     nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
@@ -154,42 +155,43 @@ class RunConfig:
     nproc_per_node: Any = _opt(
         1, "worker processes on this node; cpu: one per CPU, gpu: one per GPU, auto: per GPU "
            "if there are any, else per CPU", parse=_nproc,
-        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str,
+        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str, launcher_only=True,
     )
-    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)")
-    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",))
+    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)", launcher_only=True)
+    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",),
+                          launcher_only=True)
     master_addr: str = _opt("127.0.0.1", "address of rank 0's node",
-                            aliases=("--master_addr",))
+                            aliases=("--master_addr",), launcher_only=True)
     master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0, max=65535,
-                            aliases=("--master_port",))
+                            aliases=("--master_port",), launcher_only=True)
     tee: bool = _opt(False, "prefix each worker line with its rank (torchrun's --tee N, N>0, "
-                            "means the same)")
+                            "means the same)", launcher_only=True)
     # --- torchrun's other launcher flags, with torchrun's meaning ----------------------------
     standalone: bool = _opt(False, "one node, rendezvous on 127.0.0.1 and a free port (what "
-                                   "distrun does anyway on one node)")
+                                   "distrun does anyway on one node)", launcher_only=True)
     log_dir: str = _opt("", "write each rank's output to DIR/rank<N>.log and torch's error "
                             "files to DIR/rank<N>.error.json", aliases=("--log_dir",),
                         metavar="DIR")
     redirects: str = _opt("0", "torchrun's --redirects: streams (1 stdout, 2 stderr, 3 both, or "
                                "LOCAL_RANK:N,...) that go only to the log files, not the console",
-                          parse=_std, aliases=("-r",), metavar="N")
+                          parse=_std, aliases=("-r",), metavar="N", launcher_only=True)
     local_ranks_filter: str = _opt("", "show only these local ranks' output on the console "
                                        "(all of it still goes to the log files)",
                                    parse=_ranks_filter, aliases=("--local_ranks_filter",),
-                                   metavar="R,...")
+                                   metavar="R,...", launcher_only=True)
     role: str = _opt("default", "worker role, exported as ROLE_NAME")
     start_method: str = _opt("spawn", "how torchrun starts function entry points; scripts "
                                       "always start as new processes, as under torchrun",
                              choices=("spawn", "fork", "forkserver"),
-                             aliases=("--start_method",))
+                             aliases=("--start_method",), launcher_only=True)
     no_python: bool = _opt(False, "run TARGET as an executable, not a Python script",
-                           aliases=("--no_python",))
+                           aliases=("--no_python",), launcher_only=True)
     run_path: bool = _opt(False, "run TARGET with runpy.run_path (as torchrun --run-path)",
-                          aliases=("--run_path",))
+                          aliases=("--run_path",), launcher_only=True)
     signals_to_handle: str = _opt(DEFAULT_SIGNALS, "signals the workers are told to handle "
                                                    "(TORCHELASTIC_SIGNALS_TO_HANDLE)",
                                   parse=_signals, aliases=("--signals_to_handle",),
-                                  metavar="SIG,...")
+                                  metavar="SIG,...", launcher_only=True)
     # --- plugin options and provenance (not flags) ---------------------------------------
     plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

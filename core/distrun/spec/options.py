@@ -25,6 +25,9 @@ class Option:
     ``exclusive`` marks a folder option that one live run uses at a time (the run folder, a
     checkpoint folder): the core locks the folder for the run's life and refuses a second run
     (:mod:`distrun.launch.folder_lock`).
+    ``launcher_only`` marks an option only a launcher reads (``--nproc-per-node``,
+    ``--max-restarts``): no script has one of its own, so given after a script it is warned
+    about (it goes to the script, and distrun never sees it).
     """
 
     name: str
@@ -41,6 +44,7 @@ class Option:
     hidden: bool = field(default=False, compare=False)
     consumer: str = ""
     exclusive: bool = False
+    launcher_only: bool = False
 
     @property
     def flag(self) -> str:

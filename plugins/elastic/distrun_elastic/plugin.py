@@ -14,7 +14,8 @@ PLUGIN = "elastic"
 @hookimpl
 def distrun_register_options(register):
     # Names mirror torchrun's flags (no plugin prefix); torchrun's spellings are aliases.
-    opt = plugin_options(register, PLUGIN)
+    # Only the launcher reads them: after a script, they are warned about.
+    opt = plugin_options(register, PLUGIN, launcher_only=True)
     opt("max_restarts", int, 0,
         "restart all workers up to N times after a failure, from the latest checkpoint",
         min=0, aliases=("--max_restarts",))
@@ -38,6 +39,9 @@ def distrun_launch(config, command, environ):
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
+    from distrun.launch.local import warn_oversubscribed
     from distrun_elastic.agent import launch_elastic
+
+    warn_oversubscribed(plan.nproc_per_node)
 
     return launch_elastic(plan, command, environ)
