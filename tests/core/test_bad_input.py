@@ -523,6 +523,25 @@ def test_a_run_the_launcher_refuses_leaves_no_run_folder(cli, tmp_path):
     assert sorted(os.listdir(work)) == ["task.py"], "the refused run left a folder"
 
 
+def test_a_refused_launch_into_an_earlier_run_s_folder_leaves_it_as_it_was(cli, tmp_path):
+    import socket
+
+    work = tmp_path / "work"
+    (work / "r").mkdir(parents=True)
+    (work / "plain.py").write_text("print('hi')\n")
+    (work / "r" / "config.toml").write_text("# the earlier run's\n")
+    before = _tree(work)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = cli("run", "--nnodes", "2", "--node-rank", "0", "--master-port", str(port),
+                     "--run-dir", "r", "plain.py", cwd=work)
+    assert result.returncode == 2, result
+    assert (work / "r" / "config.toml").read_text() == "# the earlier run's\n"
+    assert sorted(_tree(work)) == sorted(before), "the refused run left something behind"
+
+
 # -- issue 26: run options that would be lost, and more ranks than cores: a warning each -------
 PLAIN = "import sys\nprint('argv', sys.argv[1:])\n"
 FIT_SCRIPT = """

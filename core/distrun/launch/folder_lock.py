@@ -198,26 +198,42 @@ def lock_folder(folder: str, key: str, label: str = "the run folder",
     made = first_missing(folder)
     make_folder(folder, label, hint.rpartition(" ")[2])
     path = os.path.join(folder, LOCK_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise UsageError(f"cannot lock {label} {folder}: {exc.strerror} ({path})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            os.close(fd)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
             raise UsageError(f"cannot lock {label} {folder}: {exc.strerror} ({path})") from None
-        holder = _holder(fd)
-        os.close(fd)
-        if holder.get("run") == key:
-            return FolderLock(folder, None, made)
-        raise _in_use(label, folder, holder, hint) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise UsageError(f"cannot lock {label} {folder}: {exc.strerror} "
+                                 f"({path})") from None
+            holder = _holder(fd)
+            os.close(fd)
+            if holder.get("run") == key:
+                return FolderLock(folder, None, made)
+            raise _in_use(label, folder, holder, hint) from None
+        if _still_there(fd, path):
+            break
+        os.close(fd)  # an abandoned run removed the file we locked: lock the one there now
     record = {"run": key, "pid": os.getpid(), "host": socket.gethostname(),
               "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return FolderLock(folder, fd, made)
+
+
+def _still_there(fd: int, path: str) -> bool:
+    """Whether ``path`` is still the file ``fd`` locked (a holder removes it when its run
+    never started)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def lock_run_folders(config: Any, options: Iterable[Any], key: str) -> list[FolderLock]:

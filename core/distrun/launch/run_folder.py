@@ -104,19 +104,20 @@ def distrun_launch(config, command, environ):
     locks = []
     if owns_folders(config, environ):
         locks = lock_run_folders(config, options, environ.get(RUN_KEY_ENV) or run_key())
-    written, made = None, None
+    written, before, made = None, None, None
     started = False
     try:
         if config.node_rank == 0 and config.run_dir:
             made = first_missing(config.run_dir)
             written = os.path.join(config.run_dir, CONFIG_FILE)
+            before = _read(written)  # a run it continues wrote one
             write_config(config, written, options)
         result = yield
         started = True
         return result
     except DistrunError:
-        if written is not None:  # refused before any worker started
-            _unlink(written)
+        if written is not None:  # refused before any worker started: as it was
+            _restore(written, before)
         raise
     finally:
         release_all(locks, abandon=not started)
@@ -134,9 +135,21 @@ def owns_folders(config: Any, environ: dict[str, str]) -> bool:
     return config.nnodes in ("1", "1:1") and per_process_cluster(config, environ) is None
 
 
-def _unlink(path: str) -> None:
+def _read(path: str) -> str | None:
     try:
-        os.unlink(path)
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _restore(path: str, text: str | None) -> None:
+    """Put ``path`` back as it was: ``text``, or no file."""
+    try:
+        if text is None:
+            os.unlink(path)
+        else:
+            _write_atomic(path, text)
     except OSError:
         pass
 
