@@ -19,6 +19,7 @@ from distrun.registry.manager import get_plugin_manager
 from distrun.spec.errors import DistrunError, UsageError, first_line
 from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
+from distrun.train.unread_args import warn_unread_argv
 
 __all__ = ["Trainer", "worker_config"]
 
@@ -61,48 +62,6 @@ def _script_name() -> str:
         session = os.environ.get("JPY_SESSION_NAME", "")
         name = os.path.splitext(os.path.basename(session))[0] or "notebook"
     return name
-
-
-_ARGV_WARNED = False
-
-
-def _warn_unread_argv(config: RunConfig, options: list[Any]) -> None:
-    """Run options in the script's own arguments that did not reach the run: said once.
-
-    ``distrun run train.py --max-steps 5`` hands ``--max-steps 5`` to the script; a script
-    that does not pass it on to ``fit``/``Trainer`` trains with the default. Launcher-only
-    options are the launcher's to warn about.
-    """
-    global _ARGV_WARNED
-    if _ARGV_WARNED:
-        return
-    flags: dict[str, Any] = {}
-    for opt in options:
-        if opt.launcher_only:
-            continue
-        for name in (opt.flag, *opt.aliases):
-            if name.startswith("--"):
-                flags[name] = opt
-                if opt.type is bool:
-                    flags["--no-" + name[2:]] = opt
-    args, given = sys.argv[1:], []
-    for i, arg in enumerate(args):
-        if arg == "--":
-            break
-        opt = flags.get(arg.split("=", 1)[0])
-        if opt is None or opt.name in config.sources:
-            continue  # not a run option, or the script passed it on (or it came from elsewhere)
-        value = i + 1 < len(args) and "=" not in arg and opt.type is not bool
-        given.append(f"{arg} {args[i + 1]}" if value else arg)
-    if not given:
-        return
-    _ARGV_WARNED = True
-    script = os.path.basename(sys.argv[0] or "the script")
-    names = ", ".join(g.split(" ")[0].split("=")[0] for g in given)
-    them = "it" if len(given) == 1 else "them"
-    print(f"warning: {script} was given {names} but did not pass {them} to distrun.fit/Trainer, "
-          f"so the run ignores {them} (put run options before the script: distrun run "
-          f"{' '.join(given)} {script}, or pass {them} in code)", file=sys.stderr, flush=True)
 
 
 def _setup_logging(rank: int) -> None:
@@ -206,7 +165,7 @@ class Trainer:
             check_consumed(pm, collect_options(pm), config)
             if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
                 self._locks = lock_run_folders(config, collect_options(pm), run_key())
-                _warn_unread_argv(config, collect_options(pm))
+                warn_unread_argv(config, collect_options(pm))
             if stage is not None:
                 from distrun.config.run_config import with_values
 
