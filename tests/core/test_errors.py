@@ -115,5 +115,8 @@ def test_worker_side_usage_error_is_said_once(tmp_path, tiny_script):
                      cwd=tmp_path, env={"DISTRUN_STRATEGY": "auto"})
     if "need a data-parallel strategy" in result.stderr:
         pytest.skip("no multi-process strategy installed in this environment")
+    # on fewer than 3 cores the launcher first warns that the ranks take turns on them
+    result.stderr = "".join(ln for ln in result.stderr.splitlines(keepends=True)
+                            if not ln.startswith("warning: 3 worker processes on "))
     line = one_line_error(result)
     assert "batch_size 32 is not divisible by 3 data-parallel ranks" in line

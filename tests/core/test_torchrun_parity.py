@@ -38,6 +38,8 @@ DIFFERENCES = {
                                     "store, so a worker must not look for an agent's (False)",
     "DISTRUN_CONFIG": "distrun only: the launcher's resolved options, for a Task's loop",
     "DISTRUN_LAUNCHER_PID": "distrun only: a worker dies with its launcher (launch.lifeline)",
+    "DISTRUN_RUN_KEY": "distrun only: the run's identity for its folder locks, shared by every "
+                       "process of the run (launch.folder_lock)",
 }
 
 

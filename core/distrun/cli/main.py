@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -14,15 +13,14 @@ from typing import Any
 import click
 
 from distrun._version import __version__
-from distrun.config.run_config import (
-    CONFIG_ENV,
-    RunConfig,
-    fresh_run_folder,
-    resolve_config,
-    with_values,
-)
+from distrun.cli.run_args import RunCommand, is_task_target
+from distrun.cli.run_checks import check_layout, check_stages, check_syntax
+from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
+from distrun.config.run_dir import fresh_run_folder
+from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
 from distrun.registry.collect import (
     apply_cluster_env,
+    check_consumed,
     choose_backends,
     choose_strategy,
     collect_backends,
@@ -32,11 +30,12 @@ from distrun.registry.collect import (
 from distrun.registry.manager import (
     BLOCK_ENV,
     EXTRA_ENV,
+    known_plugin_names,
     make_plugin_manager,
     plugin_infos,
     set_plugin_manager,
 )
-from distrun.spec.errors import DistrunError, UsageError
+from distrun.spec.errors import DistrunError, UsageError, closest
 
 __all__ = ["main", "build_cli"]
 
@@ -93,88 +92,6 @@ def _option_to_click(opt: Any) -> click.Option:
                         metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
 
 
-#: torchrun flags distrun does not carry out, and why (said in one line, exit 2)
-UNSUPPORTED_TORCHRUN = {
-    "--logs-specs": "custom LogsSpecs classes are torch's agent's; distrun relays output itself "
-                    "(use --log-dir, --redirects, --local-ranks-filter)",
-    "--event-log-handler": "torch's event log handlers are not wired into distrun's launcher",
-    "--numa-binding": "NUMA binding is not supported (bind with numactl around `distrun run`)",
-    "--virtual-local-rank": "every worker sees its own LOCAL_RANK (no virtual local rank)",
-    "--duplicate-stdout-filters": "output filters are not supported (filter with grep)",
-    "--duplicate-stderr-filters": "output filters are not supported (filter with grep)",
-    "--shutdown-timeout": "the stop grace is fixed at 30 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
-                          "sets it under distrun-elastic)",
-}
-#: torchrun's stream choices for --tee N / -t N (distrun's --tee is a switch)
-_STD_VALUE = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
-
-
-def is_task_target(target: str, as_module: bool = False) -> bool:
-    """``pkg.module:Task`` or ``file.py:Task`` (not a script path, not ``-m``)."""
-    return not as_module and ":" in target and not target.endswith(".py") \
-        and not os.path.isfile(target)
-
-
-class RunCommand(click.Command):
-    """``distrun run``: torchrun's spellings are read here, before click parses.
-
-    - ``--tee N`` / ``-t N`` with torchrun's values becomes distrun's ``--tee`` switch (N > 0)
-      or ``--no-tee`` (0); ``--tee`` alone stays the switch;
-    - options after a Task target (``train.py:Task --max-epochs 5``) are run options, as if
-      they came before it; after a script or ``-m MODULE`` they stay the script's.
-    """
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        takes_value = {}
-        for param in self.params:
-            if isinstance(param, click.Option):
-                for name in (*param.opts, *param.secondary_opts):
-                    takes_value[name] = not param.is_flag
-        out: list[str] = []
-        i, as_module = 0, False
-        while i < len(args):
-            arg = args[i]
-            name = arg.split("=", 1)[0]
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            if arg == "--":
-                out.extend(args[i:])
-                return super().parse_args(ctx, out)
-            if name in UNSUPPORTED_TORCHRUN or name.replace("_", "-") in UNSUPPORTED_TORCHRUN:
-                flag = name.replace("_", "-")
-                raise click.UsageError(f"torchrun's {flag} is not supported by distrun: "
-                                       f"{UNSUPPORTED_TORCHRUN[flag]}", ctx)
-            if name in ("--tee", "-t"):
-                value = arg.partition("=")[2] if "=" in arg else None
-                if value is None and nxt is not None and _STD_VALUE.match(nxt):
-                    value, i = nxt, i + 1
-                if value is not None and not _STD_VALUE.match(value):
-                    raise click.UsageError(
-                        f"invalid value for --tee: {value!r} (torchrun's values: 0-3 or "
-                        "LOCAL_RANK:N,...; or --tee alone to prefix each line with its rank)",
-                        ctx)
-                on = value is None or any(p.rsplit(":", 1)[-1] != "0" for p in value.split(","))
-                out.append("--tee" if on else "--no-tee")
-                i += 1
-                continue
-            if arg.startswith("-") and arg != "-":
-                if name in ("-m", "--module"):
-                    as_module = True
-                out.append(arg)
-                if "=" not in arg and takes_value.get(name) and nxt is not None:
-                    out.append(nxt)
-                    i += 1
-                i += 1
-                continue
-            # the target: what follows is the script's, unless the target is a Task
-            rest = args[i + 1:]
-            if is_task_target(arg, as_module) and rest and rest[0] != "--":
-                out.extend([*rest, arg])
-            else:
-                out.extend([arg, *rest])
-            return super().parse_args(ctx, out)
-        return super().parse_args(ctx, out)
-
-
 def build_cli(pm: Any) -> click.Group:
     @click.group(context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "--version", prog_name="distrun")
@@ -212,6 +129,9 @@ def build_cli(pm: Any) -> click.Group:
         click_opt = _option_to_click(opt)
         click_opt.name = opt.name
         run_cmd.params.append(click_opt)
+    run_cmd.launcher_only = frozenset(
+        name for opt in options if opt.launcher_only for name in (opt.flag, *opt.aliases)
+        if name.startswith("--"))
     cli.add_command(run_cmd)
 
     @cli.command("plugins")
@@ -290,8 +210,10 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     nnodes = int(config.nnodes.partition(":")[2] or config.nnodes) \
         if config.nnodes.replace(":", "").isdigit() else None
     choose_backends(config, collect_backends(pm), nnodes)
-    # "auto" is resolved in the worker: a plain torchrun script never asks for a strategy.
-    if config.strategy != "auto":
+    # "auto" is resolved in the worker for a script: a plain torchrun script never asks for a
+    # strategy. A Task's config is final here (no code can change it): check what can be.
+    task = is_task_target(target, as_module)
+    if config.strategy != "auto" or task:
         world = None
         if config.nnodes.isdigit():
             world = resolve_nproc(config.nproc_per_node) * int(config.nnodes)
@@ -301,6 +223,12 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
                 f"strategy '{info.name}' runs in one process but {world} were asked for "
                 f"(use --nproc-per-node 1, or a multi-process strategy such as ddp)"
             )
+        if task and world is not None:
+            check_layout(config, info, world)
+        if task:
+            check_stages(config, target)
+    if is_task_target(target, as_module):  # a script may still register plugins in code
+        check_consumed(pm, options, config)
     # Fill only what the user left out, so flags keep "flag" as their recorded source. A plain
     # script gets a name (its workers agree on it) but a run folder only when one was asked
     # for; a Task target always has one. A script that calls distrun.fit() makes its own.
@@ -317,21 +245,6 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     if config.nnodes in ("1", "1:1") and not getattr(cluster, "per_process", False):
         config = fresh_run_folder(config, say=True)
     return config
-
-
-def _check_syntax(path: str) -> None:
-    """A script that does not compile is said in one line before any worker starts."""
-    try:
-        with open(path, "rb") as fh:
-            source = fh.read()
-        compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        text = (exc.text or "").strip()
-        where = f"{path}:{exc.lineno}" if exc.lineno else path
-        raise UsageError(f"{where}: {exc.msg}" + (f": {text}" if text else "") +
-                         " (fix the script; no worker was started)") from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
 
 
 def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -> list[str]:
@@ -354,7 +267,7 @@ def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -
     command = _worker_command(target, args, as_module)
     script = target.rpartition(":")[0] if is_task_target(target, as_module) else target
     if not as_module and os.path.isfile(script):
-        _check_syntax(script)
+        check_syntax(script)
     return command
 
 
@@ -364,6 +277,7 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
+    environ[RUN_KEY_ENV] = new_run_key()  # every process of this run, restarts included
     blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
     if blocked:
         environ[BLOCK_ENV] = ",".join(blocked)
@@ -382,12 +296,28 @@ def _plugin_hint(exc: click.UsageError) -> str:
     return ""
 
 
+def _warn_unknown_blocked(pm: Any, blocked: list[str], extra: list[str]) -> None:
+    """``-p no:NAME`` (or ``DISTRUN_BLOCK_PLUGINS``) naming no plugin is a typo: said, not fatal
+    (as pytest does), with the closest name."""
+    from_env = [n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()]
+    known = known_plugin_names(pm) | set(extra)
+    for name in dict.fromkeys([*blocked, *from_env]):
+        if name in known:
+            continue
+        where = f"-p no:{name}" if name in blocked else f"{BLOCK_ENV}={name}"
+        close = closest(name, known)
+        hint = f"did you mean '{close}'? " if close else ""
+        print(f"warning: {where} blocks nothing: no installed plugin is named '{name}' ({hint}"
+              "`distrun plugins` lists the names)", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     blocked, extra, debug = _scan_plugin_flags(argv)
     try:
         pm = make_plugin_manager(blocked=blocked, extra=extra)
         set_plugin_manager(pm)
+        _warn_unknown_blocked(pm, blocked, extra)
         cli = build_cli(pm)
         cli.main(args=argv, prog_name="distrun", standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from distrun.spec.errors import UsageError
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "check_global_batch"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ class ParallelDims:
             if self.dp_replicate > 1 else ""
         pp = f"pp {self.pp} x " if self.pp > 1 else ""
         return f"{pp}dp {self.dp}{hsdp} x tp {self.tp} = {self.world_size} ranks"
+
+
+def check_global_batch(batch_size: int, dp_world: int) -> int:
+    """Each data-parallel rank's share of the global ``batch_size``, which must divide."""
+    if batch_size % dp_world:
+        raise UsageError(
+            f"batch_size {batch_size} is not divisible by {dp_world} data-parallel ranks "
+            f"(batch_size is the global batch; use a multiple of {dp_world})"
+        )
+    return batch_size // dp_world
 
 
 def _divisors(n: int) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from distrun.spec.errors import UsageError, suggest
 from distrun.spec.options import Option, coerce
 
-__all__ = ["RunConfig", "core_options", "fresh_run_folder", "resolve_config", "CONFIG_ENV"]
+__all__ = ["RunConfig", "core_options", "resolve_config", "with_values", "CONFIG_ENV"]
 
 #: the launcher hands the resolved explicit values to workers in this variable (JSON)
 CONFIG_ENV = "DISTRUN_CONFIG"
@@ -114,7 +114,8 @@ class RunConfig:
     """Everything that shapes a run. Build it with :func:`resolve_config`; it is immutable."""
 
     # --- what to train and how -----------------------------------------------------------
-    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)")
+    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)",
+                         launcher_only=True)
     seed: int = _opt(0, "seed of model init, data order and RNG", min=0)
     max_epochs: int = _opt(1, "epochs to train", min=1)
     max_steps: int = _opt(-1, "stop after this many optimizer steps (-1: no limit)", min=-1)
@@ -128,17 +129,18 @@ class RunConfig:
     backend: str = _opt("auto", "communication backend: a name (gloo, nccl, mpi, or one a "
                                 "plugin offers: `distrun env` lists them) or a device map "
                                 "(cpu:gloo,cuda:nccl); 'auto': nccl on CUDA, gloo on CPU",
-                        parse=_backend, metavar="NAME|DEVICE:NAME,...")
+                        parse=_backend, metavar="NAME|DEVICE:NAME,...", launcher_only=True)
     nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
                                "'latest' (the same, but one must exist), 'best' (the best-k "
-                               "one, with --ckpt-monitor) or a PATH")
+                               "one, with --ckpt-monitor) or a PATH",
+                       consumer="distrun_load_checkpoint")
     name: str = _opt("", "run name (default: the script's name and the start time)",
                      parse=_run_name)
     run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
-                            "only when asked: --name or --run-dir)")
+                            "only when asked: --name or --run-dir)", exclusive=True)
     stage: str = _opt("fit", "what to run: fit, validate, test or predict, or several in order "
                              "(fit,test); an evaluation alone loads --resume's checkpoint",
                       parse=_stages, metavar="STAGE[,STAGE]")
@@ -153,45 +155,46 @@ class RunConfig:
     nproc_per_node: Any = _opt(
         1, "worker processes on this node; cpu: one per CPU, gpu: one per GPU, auto: per GPU "
            "if there are any, else per CPU", parse=_nproc,
-        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str,
+        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str, launcher_only=True,
     )
-    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)")
-    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",))
+    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)", launcher_only=True)
+    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",),
+                          launcher_only=True)
     master_addr: str = _opt("127.0.0.1", "address of rank 0's node",
-                            aliases=("--master_addr",))
+                            aliases=("--master_addr",), launcher_only=True)
     master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0, max=65535,
-                            aliases=("--master_port",))
+                            aliases=("--master_port",), launcher_only=True)
     local_addr: str = _opt("", "this node's address, the one the other nodes reach (default: "
                                "what this host's name resolves to); gloo uses its interface",
-                           aliases=("--local_addr",), metavar="ADDRESS")
+                           aliases=("--local_addr",), metavar="ADDRESS", launcher_only=True)
     tee: bool = _opt(False, "prefix each worker line with its rank (torchrun's --tee N, N>0, "
-                            "means the same)")
+                            "means the same)", launcher_only=True)
     # --- torchrun's other launcher flags, with torchrun's meaning ----------------------------
     standalone: bool = _opt(False, "one node, rendezvous on 127.0.0.1 and a free port (what "
-                                   "distrun does anyway on one node)")
+                                   "distrun does anyway on one node)", launcher_only=True)
     log_dir: str = _opt("", "write each rank's output to DIR/rank<N>.log and torch's error "
                             "files to DIR/rank<N>.error.json", aliases=("--log_dir",),
                         metavar="DIR")
     redirects: str = _opt("0", "torchrun's --redirects: streams (1 stdout, 2 stderr, 3 both, or "
                                "LOCAL_RANK:N,...) that go only to the log files, not the console",
-                          parse=_std, aliases=("-r",), metavar="N")
+                          parse=_std, aliases=("-r",), metavar="N", launcher_only=True)
     local_ranks_filter: str = _opt("", "show only these local ranks' output on the console "
                                        "(all of it still goes to the log files)",
                                    parse=_ranks_filter, aliases=("--local_ranks_filter",),
-                                   metavar="R,...")
+                                   metavar="R,...", launcher_only=True)
     role: str = _opt("default", "worker role, exported as ROLE_NAME")
     start_method: str = _opt("spawn", "how torchrun starts function entry points; scripts "
                                       "always start as new processes, as under torchrun",
                              choices=("spawn", "fork", "forkserver"),
-                             aliases=("--start_method",))
+                             aliases=("--start_method",), launcher_only=True)
     no_python: bool = _opt(False, "run TARGET as an executable, not a Python script",
-                           aliases=("--no_python",))
+                           aliases=("--no_python",), launcher_only=True)
     run_path: bool = _opt(False, "run TARGET with runpy.run_path (as torchrun --run-path)",
-                          aliases=("--run_path",))
+                          aliases=("--run_path",), launcher_only=True)
     signals_to_handle: str = _opt(DEFAULT_SIGNALS, "signals the workers are told to handle "
                                                    "(TORCHELASTIC_SIGNALS_TO_HANDLE)",
                                   parse=_signals, aliases=("--signals_to_handle",),
-                                  metavar="SIG,...")
+                                  metavar="SIG,...", launcher_only=True)
     # --- plugin options and provenance (not flags) ---------------------------------------
     plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -370,48 +373,6 @@ def _check(config: RunConfig) -> None:
             f"--node-rank {config.node_rank} is out of range for --nnodes {nnodes} "
             f"(use 0..{int(nnodes) - 1})"
         )
-
-
-def _continues(config: RunConfig) -> bool:
-    """True when the run picks up an earlier one in the same folder (its checkpoints)."""
-    # --max-restarts (distrun-elastic) resumes every start from the folder's checkpoints, a
-    # requeued job included.
-    return config.resume != "never" or bool(config.get("max_restarts", 0))
-
-
-def fresh_run_folder(config: RunConfig, say: bool = False) -> RunConfig:
-    """``config`` with a run folder no earlier run has written into.
-
-    A folder that exists and holds anything belongs to an earlier run: this one gets
-    ``NAME-2`` (``-3``, ...) beside it, unless it continues that run (``--resume`` other than
-    never, or restarts). ``say`` prints one line about the move.
-    """
-    run_dir = config.run_dir
-    if not run_dir or _continues(config) or not _used(run_dir):
-        return config
-    n = 2
-    while _used(f"{run_dir}-{n}"):
-        n += 1
-    values: dict[str, Any] = {"run_dir": f"{run_dir}-{n}"}
-    if config.name and os.path.basename(os.path.normpath(run_dir)) == config.name:
-        values["name"] = f"{config.name}-{n}"
-    if say:
-        print(f"distrun: {run_dir} holds an earlier run; this run writes {values['run_dir']} "
-              "(--resume auto continues the earlier one)", file=sys.stderr, flush=True)
-    sources = {k: config.sources.get(k, "launcher") for k in values}
-    out = config
-    for key, value in values.items():
-        out = with_values(out, source=sources[key], **{key: value})
-    return out
-
-
-def _used(path: str) -> bool:
-    try:
-        return bool(os.listdir(path))
-    except NotADirectoryError:
-        return True
-    except OSError:
-        return False
 
 
 def with_values(config: RunConfig, source: str = "launcher", **values: Any) -> RunConfig:

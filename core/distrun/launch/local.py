@@ -29,7 +29,7 @@ from distrun.launch.ports import check_port, free_port
 from distrun.launch.relay import Relay, new_tail, report_failure
 from distrun.spec.errors import UsageError
 
-__all__ = ["WorkerGroup", "launch_local", "torchrun_env"]
+__all__ = ["WorkerGroup", "cpu_cores", "launch_local", "torchrun_env", "warn_oversubscribed"]
 
 #: seconds a worker has, after SIGTERM, to save and exit before SIGKILL
 STOP_GRACE = 30.0
@@ -51,6 +51,23 @@ def resolve_nproc(value: Any) -> int:
             raise UsageError("--nproc-per-node gpu: no CUDA device is visible (use a number, "
                              "cpu or auto)")
     return os.cpu_count() or 1
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, as taskset or a container sets)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def warn_oversubscribed(nproc: int) -> None:
+    """One warning when this node starts more workers than it has CPU cores."""
+    cores = cpu_cores()
+    if nproc > cores:
+        print(f"warning: {nproc} worker processes on {cores} CPU core"
+              f"{'s' if cores != 1 else ''}: they take turns on the cores, so each step is "
+              f"slower than with fewer ranks (--nproc-per-node {cores} fits this machine)",
+              file=sys.stderr, flush=True)
 
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
@@ -144,6 +161,7 @@ class _Worker:
     rank: int
     proc: subprocess.Popen
     tail: collections.deque[str] = field(default_factory=new_tail)
+    err_tail: collections.deque[str] = field(default_factory=new_tail)
     threads: list[threading.Thread] = field(default_factory=list)
     log: IO[str] | None = None  # run_dir/logs/rank<N>.log, appended by both relays
 
@@ -256,6 +274,7 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
     if cluster is not None:
         return launch_in_place(config, command, environ, cluster)
     nproc, nnodes = node_layout(config)
+    warn_oversubscribed(nproc)
     addr, port = config.master_addr, config.master_port
     if nnodes > 1 and port == 0:
         raise UsageError("--master-port is required with --nnodes > 1 (every node must agree)")
@@ -366,5 +385,5 @@ def wait_with_signals(group: WorkerGroup) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
     if failed is not None and not received:
-        report_failure(failed, code)
+        report_failure(failed, code, same=group.relay.same_failure(failed.rank))
     return code

@@ -18,6 +18,16 @@ import sys
 import time
 from typing import Any
 
+from distrun.launch.folder_lock import (
+    RUN_KEY_ENV,
+    first_missing,
+    lock_run_folders,
+    make_folder,
+    release_all,
+    remove_empty,
+    run_key,
+)
+from distrun.spec.errors import DistrunError
 from distrun.spec.markers import hookimpl
 
 __all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "render_config",
@@ -80,15 +90,68 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
 
 @hookimpl(wrapper=True)
 def distrun_launch(config, command, environ):
-    # The launcher knows every value's source, and runs for torchrun scripts too.
-    if config.node_rank == 0 and config.run_dir:
-        from distrun.registry.collect import collect_options
-        from distrun.registry.manager import get_plugin_manager
+    """Lock the run's folders, write ``config.toml``, launch; undo both if it never started.
 
-        # The launcher has the declarations: group plugin options by plugin, with help.
-        options = collect_options(get_plugin_manager())
-        write_config(config, os.path.join(config.run_dir, CONFIG_FILE), options)
-    return (yield)
+    The launcher knows every value's source, and runs for torchrun scripts too. A launch that
+    a launcher refuses (a busy port, a node range without the elastic plugin) raises before any
+    worker starts: what was made for it is removed, so a rejected run leaves no folder.
+    """
+    from distrun.registry.collect import collect_options
+    from distrun.registry.manager import get_plugin_manager
+
+    # The launcher has the declarations: group plugin options by plugin, with help.
+    options = collect_options(get_plugin_manager())
+    locks = []
+    if owns_folders(config, environ):
+        locks = lock_run_folders(config, options, environ.get(RUN_KEY_ENV) or run_key())
+    written, before, made = None, None, None
+    started = False
+    try:
+        if config.node_rank == 0 and config.run_dir:
+            made = first_missing(config.run_dir)
+            written = os.path.join(config.run_dir, CONFIG_FILE)
+            before = _read(written)  # a run it continues wrote one
+            write_config(config, written, options)
+        result = yield
+        started = True
+        return result
+    except DistrunError:
+        if written is not None:  # refused before any worker started: as it was
+            _restore(written, before)
+        raise
+    finally:
+        release_all(locks, abandon=not started)
+        if not started and made is not None:
+            remove_empty(config.run_dir, made)
+
+
+def owns_folders(config: Any, environ: dict[str, str]) -> bool:
+    """True when this launcher holds the run's folder locks: it alone runs the run's node.
+
+    Across nodes, or with one launcher per rank (srun, mpirun), rank 0's worker holds them.
+    """
+    from distrun.launch.local import per_process_cluster
+
+    return config.nnodes in ("1", "1:1") and per_process_cluster(config, environ) is None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _restore(path: str, text: str | None) -> None:
+    """Put ``path`` back as it was: ``text``, or no file."""
+    try:
+        if text is None:
+            os.unlink(path)
+        else:
+            _write_atomic(path, text)
+    except OSError:
+        pass
 
 
 def _header(path: str) -> str:
@@ -118,7 +181,7 @@ def add_code_values(config: Any, path: str) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_folder(os.path.dirname(path) or ".")
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
         fh.write(text)

@@ -14,8 +14,9 @@ from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
-__all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "choose_backends",
-           "choose_strategy", "collect_backends", "collect_options", "collect_strategies"]
+__all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "check_consumed",
+           "choose_backends", "choose_strategy", "collect_backends", "collect_options",
+           "collect_strategies"]
 
 #: first-party names a user may ask for before installing them: name -> distribution
 FIRST_PARTY = {
@@ -159,3 +160,38 @@ def apply_cluster_env(pm: pluggy.PluginManager, config: RunConfig,
     if fill:
         config = with_values(config, source=f"cluster:{cluster.name}", **fill)
     return config
+
+
+def check_consumed(pm: pluggy.PluginManager, options: list[Option], config: RunConfig) -> None:
+    """An option the user set that no plugin reads is an error, not a no-op.
+
+    For each option that names its ``consumer`` hook: when its value is not the default, came
+    from the user (not from the launcher, the cluster or a plugin, whose source is the
+    plugin's name) and no registered plugin implements the hook, say so in one line, naming
+    the blocked plugins that would read it.
+    """
+    from distrun.registry.manager import blocked_implementers
+
+    for opt in options:
+        if not opt.consumer:
+            continue
+        source = config.sources.get(opt.name)
+        value = config.get(opt.name, opt.default)
+        if source is None or value == opt.default or source == "launcher" or \
+                source.startswith("cluster:") or pm.get_plugin(source) is not None:
+            continue
+        if getattr(pm.hook, opt.consumer).get_hookimpls():
+            continue
+        blocked = blocked_implementers(pm, opt.consumer)
+        if blocked:
+            names = ", ".join(f"'{n}'" for n in blocked)
+            verb = "is" if len(blocked) == 1 else "are"
+            flags = " ".join(f"-p no:{n}" for n in blocked)
+            raise UsageError(
+                f"{opt.flag} {value}: no plugin reads it: {names}, which implement"
+                f"{'s' if len(blocked) == 1 else ''} {opt.consumer}, {verb} blocked ({flags} "
+                f"or DISTRUN_BLOCK_PLUGINS); unblock it, or drop {opt.flag}")
+        raise UsageError(
+            f"{opt.flag} {value}: no plugin reads it: no installed plugin implements "
+            f"{opt.consumer} (install one that does: `distrun plugins` lists the installed "
+            f"ones and their hooks), or drop {opt.flag}")

@@ -11,6 +11,7 @@ import importlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
@@ -20,7 +21,9 @@ from distrun.spec.markers import ENTRY_POINT_GROUP, PROJECT
 
 __all__ = [
     "PluginInfo",
+    "blocked_implementers",
     "get_plugin_manager",
+    "known_plugin_names",
     "make_plugin_manager",
     "plugin_infos",
     "reset_plugin_manager",
@@ -140,3 +143,41 @@ def plugin_infos(pm: pluggy.PluginManager) -> list[PluginInfo]:
             out.append(PluginInfo(name, __version__ if builtin else "",
                                   "distrun" if builtin else name, hooks, builtin))
     return out
+
+
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_plugin_names(pm: pluggy.PluginManager) -> set[str]:
+    """Every name ``-p no:NAME`` can block: built-ins, installed entry points, registered."""
+    names = {name for name, plugin in pm.list_name_plugin() if plugin is not None}
+    return names | set(BUILTIN_PLUGINS) | set(_entry_points())
+
+
+def blocked_implementers(pm: pluggy.PluginManager, hook: str) -> list[str]:
+    """The blocked plugins (``-p no:NAME``) that implement ``hook``, by name.
+
+    A blocked plugin is not registered, so its module is imported here to look (plugin
+    modules are import-light by the house rules); one that fails to import is left out.
+    Called on an error path only.
+    """
+    eps = _entry_points()
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is not None:
+            continue  # registered, not blocked
+        try:
+            if name in BUILTIN_PLUGINS:
+                module: Any = importlib.import_module(BUILTIN_PLUGINS[name])
+            elif name in eps:
+                module = eps[name].load()
+            else:
+                module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a broken blocked plugin is not a candidate
+            continue
+        if callable(getattr(module, hook, None)):
+            out.append(name)
+    return sorted(out)

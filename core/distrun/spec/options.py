@@ -19,6 +19,15 @@ class Option:
     key ``ddp_bucket_mb`` and the environment variable ``DISTRUN_DDP_BUCKET_MB``.
     ``type`` is one of bool, int, float, str; ``choices`` limits the values; ``min`` bounds
     numbers from below and ``max`` from above; ``parse`` replaces the built-in conversion for special values.
+    ``consumer`` names the hook that reads the option when the option's reader is another
+    plugin than its declarer (``resume``: ``distrun_load_checkpoint``): a value the user set
+    while no plugin implements that hook is an error, not a silent no-op.
+    ``exclusive`` marks a folder option that one live run uses at a time (the run folder, a
+    checkpoint folder): the core locks the folder for the run's life and refuses a second run
+    (:mod:`distrun.launch.folder_lock`).
+    ``launcher_only`` marks an option only a launcher reads (``--nproc-per-node``,
+    ``--max-restarts``): no script has one of its own, so given after a script it is warned
+    about (it goes to the script, and distrun never sees it).
     """
 
     name: str
@@ -33,6 +42,9 @@ class Option:
     metavar: str | None = None
     plugin: str = "core"
     hidden: bool = field(default=False, compare=False)
+    consumer: str = ""
+    exclusive: bool = False
+    launcher_only: bool = False
 
     @property
     def flag(self) -> str:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from distrun.config.run_config import RunConfig
 
-__all__ = ["LazyFactory", "Strategy", "StrategyInfo"]
+__all__ = ["SetupView", "Strategy", "StrategyInfo"]
 
 
 @dataclass(frozen=True)
@@ -28,44 +28,44 @@ class StrategyInfo:
     """A strategy offered by a plugin through ``distrun_register_strategies``.
 
     ``factory(config)`` builds the strategy inside a worker; it may import torch. Given as a
-    ``"module:Class"`` string it becomes a :class:`LazyFactory`: the plugin's entry point then
-    imports nothing, and the module is imported only where the strategy is built.
+    ``"module:Class"`` string it is imported only where the strategy is built (:meth:`build`),
+    so the plugin's entry point imports nothing.
     ``multi_process`` says whether the strategy expects several processes (ddp) or exactly one
     (single, dp).
+    ``layout(config, world_size)`` (a callable or a ``"module:function"`` string; torch-free)
+    returns how many data-parallel ranks the strategy makes of ``world_size`` ranks under
+    ``config``, and raises :class:`~distrun.spec.errors.UsageError` for a layout it cannot
+    build (a tensor-parallel size that does not divide the world). The launcher calls it before
+    any worker starts, and checks the global batch against it; without one, the workers find
+    such mistakes.
     """
 
     name: str
-    factory: Callable[[RunConfig], Strategy]
+    factory: Callable[[RunConfig], Strategy] | str
     help: str = ""
     plugin: str = "core"
     multi_process: bool = True
-
-    def __init__(self, name: str, factory: Callable[[RunConfig], Strategy] | str,
-                 help: str = "", plugin: str = "core", multi_process: bool = True) -> None:
-        # Written out (frozen, so through object.__setattr__) to accept the string form.
-        set_field = object.__setattr__
-        set_field(self, "name", name)
-        set_field(self, "factory", LazyFactory(factory) if isinstance(factory, str) else factory)
-        set_field(self, "help", help)
-        set_field(self, "plugin", plugin)
-        set_field(self, "multi_process", multi_process)
-
-
-@dataclass(frozen=True)
-class LazyFactory:
-    """A strategy factory named ``"module:Class"`` (or ``"module:function"``), imported on call."""
-
-    target: str
+    layout: Callable[[RunConfig, int], int] | str | None = None
 
     def __post_init__(self) -> None:
-        module, sep, attr = self.target.partition(":")
-        if not (module and sep and attr):
-            raise ValueError(f"a strategy factory string is 'module:Class', not {self.target!r}")
+        for what, value in (("factory", self.factory), ("layout", self.layout)):
+            if isinstance(value, str):
+                module, sep, attr = value.partition(":")
+                if not (module and sep and attr):
+                    raise ValueError(f"a strategy {what} string is 'module:name', not {value!r}")
 
-    def __call__(self, config: RunConfig) -> Strategy:
-        strategy: Strategy = import_target(self.target)(config)
+    def build(self, config: RunConfig) -> Strategy:
+        """The strategy for ``config`` (in a worker: the factory may import torch)."""
+        factory = import_target(self.factory) if isinstance(self.factory, str) else self.factory
+        strategy: Strategy = factory(config)
         return strategy
 
+    def data_parallel_size(self, config: RunConfig, world_size: int) -> int | None:
+        """``layout(config, world_size)``, or None when the strategy declares no layout."""
+        if self.layout is None:
+            return None
+        layout = import_target(self.layout) if isinstance(self.layout, str) else self.layout
+        return int(layout(config, world_size))
 
 
 class SetupView(Protocol):

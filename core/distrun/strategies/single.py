@@ -32,4 +32,4 @@ def _make_single(config: RunConfig):
 @hookimpl
 def distrun_register_strategies(register):
     register(StrategyInfo("single", _make_single, help="one process, one device",
-                          multi_process=False))
+                          multi_process=False, layout=lambda config, world: 1))

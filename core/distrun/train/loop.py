@@ -38,7 +38,7 @@ def setup_run(run: Run) -> None:
     """Strategy, model, optimizer and data, each through its hook."""
     info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm),
                            run.pm.is_blocked)
-    run.strategy = info.factory(run.config)
+    run.strategy = info.build(run.config)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
     if not run.strategy.trains:
@@ -79,6 +79,12 @@ def build_optimizer(run: Run) -> None:
                 run.lr_scheduler = made["lr_scheduler"]
         else:
             run.optimizer = made
+        if not _is_optimizer(run.optimizer):
+            raise UsageError(
+                f"{type(run.task).__name__}.configure_optimizer(params) returned "
+                f"{_describe(run.optimizer)}; it must return a torch.optim.Optimizer (e.g. "
+                "`return torch.optim.AdamW(params, lr=1e-3)`) or {'optimizer': o, "
+                "'lr_scheduler': s}")
         sched = getattr(run.task, "configure_scheduler", None)
         if sched is not None and run.lr_scheduler is None:
             run.lr_scheduler = sched(run.optimizer)
@@ -248,6 +254,12 @@ def _log_epoch_values(run: Run) -> None:
 
 
 _NONFINITE_SEEN: StashKey[bool] = StashKey("loop.nonfinite_seen")
+
+
+def _is_optimizer(value: Any) -> bool:
+    """A torch optimizer, or one shaped like it (``step`` and ``zero_grad``)."""
+    return isinstance(value, torch.optim.Optimizer) or (
+        callable(getattr(value, "step", None)) and callable(getattr(value, "zero_grad", None)))
 
 
 def _describe(value: Any) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from distrun.config.parallel_dims import check_global_batch
 from distrun.spec.errors import UsageError
 
 __all__ = ["ResumableSampler", "ShardedEvalSampler", "epoch_permutation", "is_map_dataset",
@@ -29,13 +30,9 @@ def is_map_dataset(data: Any) -> bool:
 
 
 def local_batch_size(batch_size: int, dp_world: int) -> int:
-    """Each data-parallel rank's share of the global ``batch_size`` (which must divide)."""
-    if batch_size % dp_world:
-        raise UsageError(
-            f"batch_size {batch_size} is not divisible by {dp_world} data-parallel ranks "
-            f"(batch_size is the global batch; use a multiple of {dp_world})"
-        )
-    return batch_size // dp_world
+    """Each data-parallel rank's share of the global ``batch_size`` (which must divide; the
+    launcher checks it too, where the strategy declares its layout)."""
+    return check_global_batch(batch_size, dp_world)
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:

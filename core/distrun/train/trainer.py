@@ -13,11 +13,13 @@ import time
 from typing import Any, cast
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
-from distrun.registry.collect import collect_options
+from distrun.launch.folder_lock import lock_run_folders, release_all, run_key
+from distrun.registry.collect import check_consumed, collect_options
 from distrun.registry.manager import get_plugin_manager
 from distrun.spec.errors import DistrunError, UsageError, first_line
 from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
+from distrun.train.unread_args import warn_unread_argv
 
 __all__ = ["Trainer", "worker_config"]
 
@@ -38,7 +40,8 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
     config = resolve_config(collect_options(pm), code=code, inherited=inherited,
                             inherited_sources=sources)
     if not config.run_dir:
-        from distrun.config.run_config import fresh_run_folder, with_values
+        from distrun.config.run_config import with_values
+        from distrun.config.run_dir import fresh_run_folder
 
         name = config.name or _script_name()
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -92,6 +95,7 @@ class Trainer:
         self._options = options
         self._plugins = plugins
         self._run: Run | None = None  # the open session: its strategy and model are live
+        self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
 
     # -- the stages -------------------------------------------------------------------------
     def fit(self, task: Any) -> Run:
@@ -121,8 +125,12 @@ class Trainer:
         global _OPEN
         if _OPEN is self:
             _OPEN = None
-        if run is not None and run.strategy is not None:
-            run.strategy.teardown()
+        try:
+            if run is not None and run.strategy is not None:
+                run.strategy.teardown()
+        finally:
+            release_all(self._locks)
+            self._locks = []
 
     def __enter__(self) -> Trainer:
         return self
@@ -154,13 +162,18 @@ class Trainer:
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
             config = self._config or worker_config(pm, self._options)
+            check_consumed(pm, collect_options(pm), config)
+            if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
+                self._locks = lock_run_folders(config, collect_options(pm), run_key())
+                warn_unread_argv(config, collect_options(pm))
             if stage is not None:
                 from distrun.config.run_config import with_values
 
                 config = with_values(config, stage=stage)
+            # a plugin may refuse the config here, and rank 0 writes the run folder's config
+            pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
         except DistrunError as exc:
             _exit_on_error(exc, debug=bool(self._options.get("debug")))
-        pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
         self._run = Run(config, task, pm)
         _OPEN = self
         _register_close()

@@ -31,4 +31,5 @@ def distrun_register_strategies(register):
     register(StrategyInfo(
         "ddp", "distrun_ddp.strategy:DDPStrategy", plugin="ddp",
         help="DistributedDataParallel: one process per device, gradients all-reduced",
+        layout=lambda config, world: world,  # every rank sees its own data
     ))

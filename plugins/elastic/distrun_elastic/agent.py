@@ -431,7 +431,7 @@ def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
     if agent.restarts:
         _say(f"no restarts left ({agent.restarts} used)")
     if tail is not None:
-        report_failure(tail, code)
+        report_failure(tail, code, same=relay.lines.same_failure(rank))
     else:
         _say(f"rank {rank} failed with exit code {code}")
     return code

@@ -14,7 +14,8 @@ PLUGIN = "elastic"
 @hookimpl
 def distrun_register_options(register):
     # Names mirror torchrun's flags (no plugin prefix); torchrun's spellings are aliases.
-    opt = plugin_options(register, PLUGIN)
+    # Only the launcher reads them: after a script, they are warned about.
+    opt = plugin_options(register, PLUGIN, launcher_only=True)
     opt("max_restarts", int, 0,
         "restart all workers up to N times after a failure, from the latest checkpoint",
         min=0, aliases=("--max_restarts",))
@@ -43,11 +44,14 @@ def distrun_launch(config, command, environ):
         return None
     plan, config = make_plan(config, environ)
     from distrun.launch.addresses import node_network
+    from distrun.launch.local import warn_oversubscribed
 
     # gloo's interface for --local-addr; a host name the other nodes cannot use is refused
     environ.update(node_network(local_addr=config.local_addr,
                                 rendezvous_host=split_endpoint(plan.rdzv_endpoint)[0],
                                 multi_node=plan.max_nodes > 1, environ=environ))
     from distrun_elastic.agent import launch_elastic
+
+    warn_oversubscribed(plan.nproc_per_node)
 
     return launch_elastic(plan, command, environ)

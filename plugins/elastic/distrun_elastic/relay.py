@@ -32,6 +32,7 @@ class Relay:
         """Follow ``{global_rank: (stdout_path, stderr_path)}``; let the last attempt drain."""
         self._finished.set()
         finished = self._finished = threading.Event()
+        self.lines.new_attempt()  # a restarted group's tracebacks are printed again
         self.tails = {rank: RankOutput(rank) for rank in files}
         for rank, (out, err) in files.items():
             for path, dst in ((out, sys.stdout), (err, sys.stderr)):

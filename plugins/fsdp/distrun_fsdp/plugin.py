@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from distrun import StrategyInfo, hookimpl, plugin_options
+from distrun.config.parallel_dims import ParallelDims
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 
@@ -12,7 +15,14 @@ def distrun_register_strategies(register):
     register(StrategyInfo(
         "fsdp", "distrun_fsdp.strategy:FSDPStrategy", plugin="fsdp",
         help="FSDP2 fully_shard: parameters, gradients and optimizer state sharded over ranks",
+        layout=lambda config, world: parallel_dims(config, world).dp,
     ))
+
+
+def parallel_dims(config: Any, world_size: int) -> ParallelDims:
+    """The dp (x tp) degrees of ``world_size`` ranks (torch-free: the launcher checks them)."""
+    return ParallelDims.from_world(world_size, tp=int(config.get("tp_size", 1) or 1),
+                                   dp_replicate=config.fsdp_replicate_degree)
 
 
 @hookimpl

@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrun.config.parallel_dims import ParallelDims
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
 from distrun.strategies.mesh import build_mesh
 from distrun.strategies.process_group import init_single_process_group
+from distrun_fsdp.plugin import parallel_dims
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
 if TYPE_CHECKING:
@@ -40,9 +40,7 @@ class FSDPStrategy(BaseStrategy):
         super().setup(run)
         if self.world_size == 1 and init_single_process_group():
             self._owns_group = True
-        tp = int(self.config.get("tp_size", 1) or 1)
-        self.dims = ParallelDims.from_world(self.world_size, tp=tp,
-                                            dp_replicate=self.config.fsdp_replicate_degree)
+        self.dims = parallel_dims(self.config, self.world_size)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or ()))
         self.dp_rank = coord.get("dp", 0) if self.dims.dp_replicate == 1 else \

@@ -16,7 +16,8 @@ _BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-mo
 @hookimpl
 def distrun_register_options(register):
     opt = plugin_options(register, PLUGIN)
-    opt("ckpt_dir", str, "", "checkpoint folder (default: RUN_DIR/checkpoints)")
+    opt("ckpt_dir", str, "", "checkpoint folder (default: RUN_DIR/checkpoints)",
+        exclusive=True)  # one live run writes a checkpoint folder: the core locks it
     opt("ckpt_every_n_steps", int, 0, "save a checkpoint every N optimizer steps (0: off)", min=0)
     opt("ckpt_every_n_seconds", float, 0.0,
         "save when this many seconds passed since the last save (0: off)", min=0)

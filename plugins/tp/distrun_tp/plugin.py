@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from distrun import StrategyInfo, UsageError, hookimpl, plugin_options
+from distrun.config.parallel_dims import ParallelDims
 from distrun.spec.keys import DEVICE_MESH
 
 
@@ -18,7 +19,23 @@ def distrun_register_strategies(register):
     register(StrategyInfo(
         "tp", "distrun_tp.strategy:TPStrategy", plugin="tp",
         help="tensor parallel: layers split over ranks with parallelize_module (same data)",
+        layout=lambda config, world: tp_layout(config, world).dp,
     ))
+
+
+def tp_layout(config: Any, world_size: int) -> ParallelDims:
+    """``--strategy tp``'s degrees: every rank in one tensor-parallel group (torch-free: the
+    launcher checks them before any worker starts, the strategy again in each worker)."""
+    tp = int(config.tp_size or 0) or world_size
+    if tp != world_size:
+        if world_size % tp:
+            hint = f"use --tp-size {world_size}"
+        else:
+            hint = (f"use --tp-size {world_size}, or --strategy fsdp --tp-size {tp} for "
+                    f"{world_size // tp}-way data parallel x {tp}-way tensor parallel")
+        raise UsageError(f"--strategy tp splits layers over all {world_size} ranks but "
+                         f"--tp-size is {tp} ({hint})")
+    return ParallelDims.from_world(world_size, tp=tp)
 
 
 @hookimpl

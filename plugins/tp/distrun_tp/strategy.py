@@ -13,12 +13,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distrun import UsageError
-from distrun.config.parallel_dims import ParallelDims
 from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
 from distrun.strategies.base import BaseStrategy
 from distrun.strategies.mesh import build_mesh
 from distrun.strategies.process_group import init_single_process_group
+from distrun_tp.plugin import tp_layout
 
 if TYPE_CHECKING:
     from distrun.train.run import Run
@@ -35,15 +34,7 @@ class TPStrategy(BaseStrategy):
         super().setup(run)
         if self.world_size == 1 and init_single_process_group():
             self._owns_group = True
-        tp = int(self.config.tp_size or 0) or self.world_size
-        if tp != self.world_size:
-            raise UsageError(
-                f"--strategy tp splits layers over all {self.world_size} ranks but --tp-size is "
-                f"{tp} (use --tp-size {self.world_size}, or --strategy fsdp --tp-size {tp} for "
-                f"{self.world_size // tp if self.world_size % tp == 0 else '?'}-way data "
-                f"parallel x {tp}-way tensor parallel)"
-            )
-        self.dims = ParallelDims.from_world(self.world_size, tp=tp)
+        self.dims = tp_layout(self.config, self.world_size)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)
         self.dp_rank, self.dp_world_size = 0, 1
         run.stash[DEVICE_MESH] = self.mesh

@@ -161,12 +161,8 @@ def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> dict
     A bad option or an unknown strategy is then one line in the cell, not an error in every
     rank; and the ranks share one fresh run folder (``runs/<notebook>``, ``-2``, ...).
     """
-    from distrun.config.run_config import (
-        CONFIG_ENV,
-        fresh_run_folder,
-        resolve_config,
-        with_values,
-    )
+    from distrun.config.run_config import CONFIG_ENV, resolve_config, with_values
+    from distrun.config.run_dir import fresh_run_folder
     from distrun.registry.collect import choose_strategy, collect_options, collect_strategies
     from distrun.registry.manager import get_plugin_manager
 

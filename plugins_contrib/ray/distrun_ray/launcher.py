@@ -51,6 +51,7 @@ class _Rank:
     code: int | None = None
     tail: collections.deque[str] = field(default_factory=new_tail)
     log: IO[str] | None = None
+    err_tail: collections.deque[str] = field(default_factory=new_tail)  # its stderr lines
 
 
 def _connect(config: RunConfig) -> Any:
