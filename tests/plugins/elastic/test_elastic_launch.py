@@ -182,9 +182,10 @@ def test_a_rendezvous_that_never_completes_ends_at_join_timeout_in_one_line(tmp_
     from distrun.testing import free_port
 
     port = free_port()
+    (tmp_path / "never.py").write_text("raise SystemExit('a worker started')\n")
     result = run_cli("run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                     "--rdzv-id", "alone", "--rdzv-conf", "join_timeout=3",
-                     "tests.core.tiny_task:TinyTask", cwd=tmp_path, env=ENV, timeout=120)
+                     "--rdzv-id", "alone", "--rdzv-conf", "join_timeout=3", "never.py",
+                     cwd=tmp_path, env=ENV, timeout=120)
     assert result.returncode == 1, result
     assert result.stderr.splitlines()[-1] == (
         f"error: rendezvous 'alone' at 127.0.0.1:{port}: fewer than 2 nodes joined within "
