@@ -5,11 +5,12 @@
     python -m distrun.train.worker --module NAME [ARGS]     a module, as ``python -m NAME``
 
 Around the target the worker ties itself to its launcher (:mod:`distrun.launch.lifeline`: it
-dies within a moment of the launcher's death, however that dies), and it ends the process the
-way the interpreter would but without finalizing it: threading's exit callbacks run (they
-stop idle pool threads), non-daemon threads are joined, the exit handlers run (one of them
-destroys a process group the target left initialized), every open file is flushed, and then
-the process exits with the target's code.
+dies within a moment of the launcher's death, however that dies), serves the rendezvous store
+on the socket the launcher bound when it is rank 0 (:mod:`distrun.train.store_host`), and it
+ends the process the way the interpreter would but without finalizing it: threading's exit
+callbacks run (they stop idle pool threads), non-daemon threads are joined, the exit handlers
+run (one of them destroys a process group the target left initialized), every open file is
+flushed, and then the process exits with the target's code.
 
 Why: a gloo worker thread releases each finished collective a moment after the caller saw it
 finish. If that release drops the last reference to a tensor Python created, it needs the GIL,
@@ -38,6 +39,7 @@ from typing import NoReturn
 
 from distrun.launch.lifeline import die_with_launcher
 from distrun.spec.errors import DistrunError
+from distrun.train.store_host import host_launcher_store
 
 __all__ = ["destroy_leftover_group", "finish", "main"]
 
@@ -188,6 +190,7 @@ def _prepare_backend() -> None:
 
 def _run(argv: list[str]) -> None:
     die_with_launcher()
+    host_launcher_store()  # rank 0: the store on the socket the launcher bound
     # Registered first, so it runs last: after the target's own exit handlers.
     atexit.register(destroy_leftover_group)
     if argv[0] in ("--script", "--module"):
