@@ -13,7 +13,8 @@ import ctypes
 import os
 import signal
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "launcher_alive", "pid_alive"]
+__all__ = ["LAUNCHER_PID_ENV", "die_with_launcher", "launcher_alive", "pid_alive",
+           "pid_start_time"]
 
 LAUNCHER_PID_ENV = "DISTRUN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -34,6 +35,19 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X", "x")
+
+
+def pid_start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot; None when there is none).
+
+    With the pid it names one process for as long as the machine runs: a pid is reused once
+    its process has ended, its start time with it is not.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def launcher_alive() -> bool:
