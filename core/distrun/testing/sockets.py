@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from distrun.launch.lifeline import die_with_parent
+
 __all__ = ["HOLD_SCRIPT", "Listener", "exposed", "listeners_of_held_run",
            "listeners_while_running", "listening_sockets", "on_a_named_host", "process_tree"]
 
@@ -203,7 +205,8 @@ def listeners_while_running(command: Sequence[str], ready: Callable[[], bool], g
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(list(command), cwd=cwd, env=full_env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, text=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, text=True,
+                                preexec_fn=die_with_parent())
         try:
             deadline = time.monotonic() + timeout
             while not ready() and proc.poll() is None and time.monotonic() < deadline:

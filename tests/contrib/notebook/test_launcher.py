@@ -18,6 +18,7 @@ import pytest
 import torch  # imported here as a notebook would: the forked ranks inherit it
 
 import distrun
+from distrun.launch.lifeline import die_with_parent
 from distrun.testing import imports_torch
 from distrun.testing.sockets import listeners_of_held_run
 from distrun_notebook import FitResult, LaunchFailed, notebook_launcher
@@ -259,7 +260,7 @@ notebook_launcher(_sleeps, args=({folder!r},), num_processes=2)
 def test_ranks_die_with_the_kernel(tmp_path):
     """A kernel killed outright (kill -9, a crash, "restart kernel") takes its ranks along."""
     script = KERNEL_SCRIPT.format(here=str(Path(__file__).resolve().parent), folder=str(tmp_path))
-    kernel = subprocess.Popen([sys.executable, "-c", script])
+    kernel = subprocess.Popen([sys.executable, "-c", script], preexec_fn=die_with_parent())
     try:
         pids = read_pids(tmp_path, 2)
         kernel.kill()
