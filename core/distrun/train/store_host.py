@@ -1,23 +1,24 @@
-"""A TCPStore served on a socket bound by distrun, so it listens only where the run allows.
+"""TCPStores served on a socket bound by distrun, so they listen only where the run allows.
 
 torch's TCPStore binds every interface and takes no address to bind; what it does take is a
 listening socket (``master_listen_fd``). The launcher binds the rendezvous port on the run's
 bind address (:mod:`distrun.launch.binding`) and hands the socket to the worker that hosts the
-store; there :func:`host_launcher_store` serves a store on it as soon as torch is imported.
+store, rank 0. There :func:`host_launcher_store` keeps the socket for the life of the process
+(the port stays the run's) and, once torch is imported, has every store torch makes for a
+rendezvous on that port (``init_process_group``'s env:// and tcp://) served on a duplicate of
+it: the server torch would start is started the same way (multi-tenant, a new one once the
+last group on it is gone, so a group destroyed and made again meets on an empty store), only
+on the launcher's socket instead of every interface. A plain ``init_process_group()`` runs
+unchanged.
 
-That store is *multi-tenant*: torch keeps one server per port in a process, and every store
-torch itself makes for a rendezvous (``init_process_group``'s env:// and tcp://, the elastic
-agent's c10d and static rendezvous) asks for a multi-tenant one, so on this port it gets this
-server instead of binding its own. A plain ``init_process_group()`` therefore runs unchanged
-and its store listens on the launcher's socket. The server lives as long as the process, as
-the store torchrun's agent hosts does: a group destroyed and made again meets on it again.
-
+:func:`serve_store` serves one store on a given socket (the elastic agent's stores).
 Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import socket
@@ -79,22 +80,46 @@ class _AfterImport:
         return spec
 
 
-def host_launcher_store() -> None:
-    """In the worker the launcher gave the store's socket: serve the store once torch loads.
+def _serve_rendezvous_on(fd: int) -> None:
+    """Have torch's rendezvous stores on ``fd``'s port served on ``fd`` (rank 0 only)."""
+    from torch.distributed import TCPStore
 
-    Not before: a script that never imports torch pays nothing. A failure to serve it is one
-    line on stderr, and the socket is closed so the script's own store can bind the port.
+    # the module (torch.distributed.rendezvous as an attribute is the function of that name)
+    rdzv: Any = importlib.import_module("torch.distributed.rendezvous")
+
+    with socket.socket(fileno=os.dup(fd)) as probe:
+        ours = probe.getsockname()[1]
+    create = rdzv._create_c10d_store  # what env:// and tcp:// call for their store
+
+    # torch's signature, names included
+    def create_on_launcher_socket(hostname: str, port: int, rank: int, world_size: int,
+                                  timeout: Any, use_libuv: bool = True) -> Any:
+        if port != ours or rank != 0 or rdzv._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        # torch's own call with the socket added; on a live server of this port (another
+        # group still on it) torch reuses that one and leaves this duplicate unused, open
+        return TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                        timeout=timeout, multi_tenant=True, use_libuv=use_libuv,
+                        master_listen_fd=os.dup(fd))
+
+    rdzv._create_c10d_store = create_on_launcher_socket
+
+
+def host_launcher_store() -> None:
+    """In the worker the launcher gave the store's socket: serve its stores on it.
+
+    Set up once torch is imported: a script that never imports torch pays nothing. A failure
+    is one line on stderr, and the socket is closed so torch's own store can bind the port.
     """
     value = os.environ.pop(STORE_FD_ENV, None)  # not for this worker's own children
     if value is None:
         return
     fd = int(value)
     os.set_inheritable(fd, False)
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
 
     def serve() -> None:
         try:
-            serve_store(fd, host)
+            _serve_rendezvous_on(fd)
         except Exception as exc:  # noqa: BLE001 - the run may still work with torch's own
             with contextlib.suppress(OSError):
                 os.close(fd)
