@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
 from distrun.testing import run_cli
 
 TORCHRUN_SCRIPT = """
@@ -116,7 +117,8 @@ def test_sigterm_reaches_every_worker(tmp_path, busy_cores):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
                              str(script), str(tmp_path)], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent())
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline, "workers did not start"
@@ -141,7 +143,8 @@ def test_two_static_nodes_on_one_machine(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*common, "--node-rank", str(n), str(script), str(tmp_path)],
                               env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+                              stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
+             for n in (0, 1)]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, (out, err)

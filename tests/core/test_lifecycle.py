@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import pid_alive
+from distrun.launch.lifeline import die_with_parent, pid_alive
 from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent
@@ -39,7 +39,7 @@ def _launch(tmp_path: Path, rec: Path, *flags: str, **env: str) -> subprocess.Po
     return subprocess.Popen(
         [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2", "--strategy", "ddp",
          *flags, TASK], cwd=tmp_path, env={**os.environ, **_env(rec, **env)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
 
 
 def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -40,7 +40,14 @@ DIFFERENCES = {
     "DISTRUN_LAUNCHER_PID": "distrun only: a worker dies with its launcher (launch.lifeline)",
     "DISTRUN_RUN_KEY": "distrun only: the run's identity for its folder locks, shared by every "
                        "process of the run (launch.folder_lock)",
+    "DISTRUN_BIND_ADDRESS": "distrun only: where the worker's own servers listen (127.0.0.1 "
+                            "on one node: launch.binding)",
+    "GLOO_SOCKET_IFNAME": "distrun only: gloo's pair sockets on the loopback interface on one "
+                          "node (torchrun lets gloo use the address the host name resolves to)",
+    "TP_SOCKET_IFNAME": "distrun only: the same for RPC's tensorpipe listeners",
 }
+#: the variables above that only distrun sets
+ONLY_DISTRUN = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 
 def _envs(folder: Path, n: int = 2) -> list[dict[str, str]]:
@@ -69,10 +76,11 @@ def test_environment_matches_torchrun_variable_by_variable(tmp_path):
             assert theirs.get(key) == mine.get(key), (rank, key, theirs.get(key), mine.get(key))
         # the ones that differ are there under both (distrun's own two aside)
         for key in DIFFERENCES:
-            if not key.startswith("DISTRUN_"):
+            if not key.startswith("DISTRUN_") and key not in ONLY_DISTRUN:
                 assert key in theirs and key in mine, (rank, key)
         assert mine["MASTER_ADDR"] == "127.0.0.1"
         assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert mine["DISTRUN_BIND_ADDRESS"] == "127.0.0.1" and "DISTRUN_STORE_FD" not in mine
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(f"rank{rank}.error.json")
         for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE",
                     "ROLE_NAME", "OMP_NUM_THREADS"):

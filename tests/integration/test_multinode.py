@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
 from distrun.testing import free_port
 
 SUM_RANKS = """
@@ -47,7 +48,8 @@ def _two_nodes(tmp_path: Path, per_node: list[list[str]], timeout: float = 240) 
     script.write_text(SUM_RANKS)
     procs = [subprocess.Popen([sys.executable, "-m", "distrun", "run", *args, str(script),
                                str(tmp_path)], env=_env(), cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              preexec_fn=die_with_parent())
              for args in per_node]
     outputs = []
     try:

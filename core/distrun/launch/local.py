@@ -12,6 +12,7 @@ import collections
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from distrun.config.run_config import DEFAULT_SIGNALS, NPROC_WORDS, RunConfig
+from distrun.launch.binding import STORE_FD_ENV, bind_address, listen_socket, server_env
 from distrun.launch.exits import ExitWatch, exit_code
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.ports import check_port, free_port
@@ -171,7 +173,9 @@ class WorkerGroup:
 
     def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]],
                  ranks: Sequence[int], tee: bool = False, log_dir: str | None = None,
-                 relay: Relay | None = None) -> None:
+                 relay: Relay | None = None,
+                 pass_fds: Mapping[int, Sequence[int]] | None = None) -> None:
+        """``pass_fds``: by rank, descriptors that worker inherits (the store's socket)."""
         self.command = list(command)
         self.relay = relay or Relay(tee=tee)
         self.workers: list[_Worker] = []
@@ -182,6 +186,7 @@ class WorkerGroup:
                 self.command, env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, bufsize=1, text=True, errors="replace",
+                pass_fds=tuple((pass_fds or {}).get(rank, ())),
             )
             worker = _Worker(rank, proc)
             if log_dir:
@@ -278,7 +283,11 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
     addr, port = config.master_addr, config.master_port
     if nnodes > 1 and port == 0:
         raise UsageError("--master-port is required with --nnodes > 1 (every node must agree)")
-    if port == 0:
+    bind = bind_address(nnodes, addr)
+    store = _store_socket(config, bind, port) if config.node_rank == 0 else None
+    if store is not None:
+        port = store.getsockname()[1]
+    elif port == 0:
         port = free_port(addr)
     elif config.node_rank == 0:
         check_port(addr, port)
@@ -294,17 +303,36 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
                                 nnodes=nnodes, master_addr=addr, master_port=port, run_id=run_id,
                                 role=config.role, signals=config.signals_to_handle,
                                 error_file=outputs.error_file(rank), environ=environ))
+        env.update(server_env(bind, environ))
+        if store is not None and rank == 0:
+            env[STORE_FD_ENV] = str(store.fileno())
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         envs.append(env)
         ranks.append(rank)
     try:
-        group = WorkerGroup(command, envs, ranks, tee=config.tee, log_dir=outputs.log_dir,
-                            relay=Relay(tee=config.tee, show=outputs.show))
+        fds = {0: [store.fileno()]} if store is not None else None
+        try:
+            group = WorkerGroup(command, envs, ranks, tee=config.tee, log_dir=outputs.log_dir,
+                                relay=Relay(tee=config.tee, show=outputs.show), pass_fds=fds)
+        finally:
+            if store is not None:
+                store.close()  # rank 0 holds it now
         return wait_with_signals(group)
     finally:
         outputs.cleanup()
+
+
+def _store_socket(config: RunConfig, bind: str | None, port: int) -> socket.socket | None:
+    """The rendezvous store's socket, bound on the run's address, for rank 0 to serve on.
+
+    None where torch binds its own: no bind address decided (several nodes) or an executable
+    (``--no-python``) that cannot take the socket over.
+    """
+    if bind is None or config.no_python:
+        return None
+    return listen_socket(bind, port)
 
 
 #: layout fields that, set by a flag, variable or file, turn the per-process path off

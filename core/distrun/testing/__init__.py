@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from distrun.launch.lifeline import die_with, die_with_parent
 from distrun.launch.ports import free_port
 from distrun.testing.hosts import HostSpec, Testbed, TestbedError, unavailable
 
@@ -116,19 +117,25 @@ def only_plugins(modules: str) -> None:
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
             timeout: float = 300.0, input: str | None = None) -> CliResult:
-    """Run ``distrun ARGS`` as a user would, in a subprocess; never raises on a bad exit."""
+    """Run ``distrun ARGS`` as a user would, in a subprocess; never raises on a bad exit.
+
+    The launcher dies with this process however it ends (its workers die with it).
+    """
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-m", "distrun", *args], cwd=cwd, env=full_env, text=True,
-        capture_output=True, timeout=timeout, input=input,
+        capture_output=True, timeout=timeout, input=input, preexec_fn=die_with_parent(),
     )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: bool,
-               timeout: float, args: Sequence[Any], queue: Any, backend: str = "gloo") -> None:
+               timeout: float, args: Sequence[Any], queue: Any, backend: str = "gloo",
+               parent: int = 0) -> None:
+    if parent:  # a rank (rank 0 hosts the store) ends with the test process, however it ends
+        die_with(parent)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -180,7 +187,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_process_group,
-                                                   timeout, args, queue, backend), daemon=False)
+                                                   timeout, args, queue, backend, os.getpid()),
+                         daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -259,7 +267,9 @@ def busy_cores() -> Iterator[int]:
     (a rank seeing a stop request a step late, a worker outliving its launcher) show under load.
     """
     count = os.cpu_count() or 1
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # they never end by themselves: tied to this process, however it ends
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             preexec_fn=die_with_parent())
             for _ in range(count)]
     try:
         yield count

@@ -5,10 +5,12 @@
     python -m distrun.train.worker --module NAME [ARGS]     a module, as ``python -m NAME``
 
 Around the target the worker ties itself to its launcher (:mod:`distrun.launch.lifeline`: it
-dies within a moment of the launcher's death, however that dies), and it ends the process the
-way the interpreter would but without finalizing it: non-daemon threads are joined, the exit
-handlers run (one of them destroys a process group the target left initialized), every open
-file is flushed, and then the process exits with the target's code.
+dies within a moment of the launcher's death, however that dies), serves the rendezvous store
+on the socket the launcher bound when it is rank 0 (:mod:`distrun.train.store_host`), and it
+ends the process the way the interpreter would but without finalizing it: threading's exit
+callbacks run (they stop idle pool threads), non-daemon threads are joined, the exit handlers
+run (one of them destroys a process group the target left initialized), every open file is
+flushed, and then the process exits with the target's code.
 
 Why: a gloo worker thread releases each finished collective a moment after the caller saw it
 finish. If that release drops the last reference to a tensor Python created, it needs the GIL,
@@ -37,6 +39,7 @@ from typing import NoReturn
 
 from distrun.launch.lifeline import die_with_launcher
 from distrun.spec.errors import DistrunError
+from distrun.train.store_host import host_launcher_store
 
 __all__ = ["destroy_leftover_group", "finish", "main"]
 
@@ -78,12 +81,38 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _shutdown_threads() -> None:
+    """What the interpreter does first at exit: ``threading._shutdown``.
+
+    It runs the threading module's exit callbacks (``threading._register_atexit``, newest
+    first), then joins every non-daemon thread, also those started meanwhile. The callbacks
+    come first because they are what ends idle threads: ``concurrent.futures`` tells its
+    pool threads to stop there, so joining them before it would wait forever (a
+    ``ThreadPoolExecutor`` kept alive by a library, as torch.compile's is).
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None or threading.current_thread() is not threading.main_thread():
+        # not CPython's threading module: join as it documents, with no callbacks to run
+        current = threading.current_thread()
+        for thread in threading.enumerate():
+            if thread is not current and not thread.daemon:
+                thread.join()
+        return
+    try:
+        shutdown()
+    except BaseException:  # noqa: BLE001 - as the interpreter reports it, then goes on exiting
+        print(f"Exception ignored in: {threading!r}", file=sys.stderr)
+        traceback.print_exc()
+
+
 def finish(code: int) -> NoReturn:
-    """End this process as the interpreter would at exit, without finalizing it (see above)."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    """End this process as the interpreter would at exit, without finalizing it (see above).
+
+    In the interpreter's order (``Py_FinalizeEx``): threading's shutdown (its exit callbacks,
+    then the non-daemon threads joined), then the :mod:`atexit` handlers, newest first, then
+    the standard streams flushed; then, instead of finalizing, ``os._exit``.
+    """
+    _shutdown_threads()
     # The interpreter runs these at exit; it is what skipping finalization must keep (the
     # user's handlers, logging's shutdown, multiprocessing's clean-up, our group teardown).
     atexit._run_exitfuncs()
@@ -161,6 +190,7 @@ def _prepare_backend() -> None:
 
 def _run(argv: list[str]) -> None:
     die_with_launcher()
+    host_launcher_store()  # rank 0: the store on the socket the launcher bound
     # Registered first, so it runs last: after the target's own exit handlers.
     atexit.register(destroy_leftover_group)
     if argv[0] in ("--script", "--module"):

@@ -17,6 +17,10 @@ Each attempt's workers then get a new store on a fresh port chosen by rendezvous
 node this agent hosts it before the workers start (``TORCHELASTIC_USE_AGENT_STORE=True``, every
 worker a client of a store already listening, so none waits out torch's connect backoff); across
 nodes, worker rank 0 hosts it.
+
+On one node both stores, the rendezvous store and each attempt's, listen only on the run's bind
+address (127.0.0.1, :mod:`distrun.launch.binding`): they are served on sockets bound here, and
+the workers' gloo sockets follow ``GLOO_SOCKET_IFNAME``.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from distrun.launch.binding import listen_socket, server_env
 from distrun.launch.exits import ExitWatch, exit_code
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
 from distrun.train.run import EXIT_REQUEUE
+from distrun.train.store_host import serve_store
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
@@ -101,10 +107,11 @@ class DistrunAgent(LocalElasticAgent):
     """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
 
     def __init__(self, *args: Any, relay: Relay, plan: ElasticPlan, host_store: bool = False,
-                 **kwargs: Any) -> None:
+                 bind: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.relay = relay
         self.plan = plan
+        self.bind = bind
         #: (global rank, return code) of the worker that failed first in the current attempt
         self.root_cause: tuple[int, int] | None = None
         #: the peers whose heartbeat stopped, when that ended the current attempt
@@ -154,11 +161,14 @@ class DistrunAgent(LocalElasticAgent):
             # One node: this agent serves each attempt's workers a new store, already listening
             # on the port rendezvous picked, so no worker waits out a connect backoff for rank 0
             # to start one, and no key of an earlier attempt survives (pytorch#167288).
-            from torch.distributed import TCPStore
-
             self._store = None  # the previous attempt's server closes with its last reference
-            self._store = TCPStore(worker_group.master_addr, worker_group.master_port,
-                                   is_master=True, wait_for_workers=False)
+            addr, port = worker_group.master_addr, worker_group.master_port
+            if self.bind is None:
+                from torch.distributed import TCPStore
+
+                self._store = TCPStore(addr, port, is_master=True, wait_for_workers=False)
+            else:  # on the run's address only (torch's own TCPStore binds every interface)
+                self._store = serve_store(listen_socket(self.bind, port), addr, shared=False)
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
@@ -295,8 +305,22 @@ def _workers_use_agent_store(handler: Any) -> None:
                              {"use_agent_store": property(lambda self: True)})
 
 
+def _serve_rendezvous_store(plan: ElasticPlan) -> str:
+    """The rendezvous endpoint, its store served here on the run's address (one node).
+
+    torch's c10d and static rendezvous make a multi-tenant TCPStore on the endpoint's port: on
+    the socket bound here they find this server instead of binding every interface.
+    """
+    host, port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=29400)
+    sock = listen_socket(plan.bind_address or host, port)
+    port = sock.getsockname()[1]
+    serve_store(sock, host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     # The agent's workers inherit this process's environment (torch's SubprocessHandler).
+    environ.update(server_env(plan.bind_address, environ))
     os.environ.update(environ)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # torch's SubprocessHandler starts the workers from this process's main thread: they die
@@ -330,14 +354,17 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     if plan.max_nodes == 1 and plan.rdzv_backend == "c10d":
         _skip_join_skew()
     configs = {"timeout": 900, **rendezvous_defaults(plan), **plan.rdzv_configs}
+    endpoint = plan.rdzv_endpoint
+    if plan.max_nodes == 1 and plan.bind_address and plan.rdzv_backend in ("c10d", "static"):
+        endpoint = _serve_rendezvous_store(plan)
     params = RendezvousParameters(
-        backend=plan.rdzv_backend, endpoint=plan.rdzv_endpoint, run_id=plan.run_id,
+        backend=plan.rdzv_backend, endpoint=endpoint, run_id=plan.run_id,
         min_nodes=plan.min_nodes, max_nodes=plan.max_nodes, local_addr=plan.local_addr,
         **configs,
     )
     master_addr = master_port = None
     if plan.rdzv_backend == "static":
-        master_addr, master_port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=-1)
+        master_addr, master_port = parse_rendezvous_endpoint(endpoint, default_port=-1)
     try:
         handler = rdzv_registry.get_rendezvous_handler(params)
     except (RendezvousError, ValueError, RuntimeError) as exc:
@@ -356,7 +383,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir),
                          start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
-                         plan=plan, host_store=host_store)
+                         plan=plan, host_store=host_store, bind=plan.bind_address)
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
 

@@ -8,6 +8,8 @@ The choices made here:
   is a loopback address; otherwise torch announces ``--local-addr``, or this host's name (one
   that resolves to no usable address of this host is refused at launch:
   :func:`distrun.launch.addresses.node_network`);
+- a single-node run's stores (the rendezvous store and each attempt's) and gloo listen on the
+  address :func:`distrun.launch.binding.bind_address` gives (127.0.0.1), never every interface;
 - every start of the workers, first or restarted, resumes from the newest valid checkpoint: the
   launcher writes ``resume = "auto"`` into the values workers inherit (unless the user chose
   ``--resume`` themselves). Workers never look at ``TORCHELASTIC_RESTART_COUNT``: it counts the
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun.launch.binding import bind_address
 from distrun.launch.ports import free_port
 from distrun.spec.errors import UsageError
 
@@ -59,6 +62,8 @@ class ElasticPlan:
     rdzv_configs: dict[str, Any] = field(default_factory=dict)
     monitor_interval: float = 0.1
     local_addr: str | None = None
+    #: where this node's stores and gloo listen (distrun.launch.binding; None: torch's default)
+    bind_address: str | None = None
     log_dir: str = ""
     tee: bool = False
     debug: bool = False
@@ -144,8 +149,10 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
             )
         endpoint = "127.0.0.1:0"
     host, _ = split_endpoint(endpoint)
+    # where this node's servers listen; on one node it is also the address workers meet at
+    bind = bind_address(hi, host)
     # --local-addr is what torch announces for this node, else its host name (checked at launch)
-    local_addr = config.local_addr or ("127.0.0.1" if hi == 1 or _is_loopback(host) else None)
+    local_addr = config.local_addr or (bind if hi == 1 or _is_loopback(host) else None)
 
     explicit_name = not _is_default_name(config)
     run_id = config.rdzv_id or (config.name if explicit_name else "")
@@ -168,7 +175,8 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         min_nodes=lo, max_nodes=hi, nproc_per_node=resolve_nproc(config.nproc_per_node),
         max_restarts=config.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,
         run_id=run_id, rdzv_configs=conf, monitor_interval=config.monitor_interval,
-        local_addr=local_addr, log_dir=log_dir, tee=config.tee, debug=config.debug,
+        local_addr=local_addr, bind_address=bind, log_dir=log_dir, tee=config.tee,
+        debug=config.debug,
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
         heartbeat_timeout=config.heartbeat_timeout,

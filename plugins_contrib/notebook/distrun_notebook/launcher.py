@@ -9,12 +9,14 @@ inside unchanged. Torch-free at import; torch is looked at only if the kernel al
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from distrun import UsageError
+from distrun.launch.binding import LOOPBACK, STORE_FD_ENV, listen_socket, server_env
 from distrun_notebook.child import in_launched_process
 from distrun_notebook.workers import WorkerGroup
 
@@ -60,7 +62,6 @@ def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
     _check_request(fn_or_task, args, num_processes, stop_grace, options)
     _check_kernel()
     task = _is_task(fn_or_task)
-    port = _free_port()
     run_id = uuid.uuid4().hex[:12]
     base: dict[str, str] = {}
     if task:
@@ -68,14 +69,22 @@ def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
         target = _train_target(fn_or_task, tuple(args), options)
     else:
         target = _call_target(fn_or_task, tuple(args))
+    # rank 0's store serves on a socket bound to loopback here (torch's would listen on every
+    # interface); the other ranks close their copy, the kernel its own once they ended
+    store = _store_socket()
+    port = store.getsockname()[1]
     envs = [_rank_env(rank, num_processes, port, run_id, base) for rank in range(num_processes)]
-    group = WorkerGroup(stop_grace, show_all=show_all_ranks)
+    envs[0][STORE_FD_ENV] = str(store.fileno())
+    group = WorkerGroup(stop_grace, show_all=show_all_ranks,
+                        private_fds={0: [store.fileno()]})
     try:
         return group.run([target] * num_processes, envs)
     except KeyboardInterrupt:
         print(f"notebook_launcher: interrupted; the {num_processes} process"
               f"{'es were' if num_processes > 1 else ' was'} stopped", file=sys.stderr)
         raise
+    finally:
+        store.close()
 
 
 # -- refusals (one line each, before anything is forked) --------------------------------------
@@ -194,12 +203,15 @@ def _rank_env(rank: int, world: int, port: int, run_id: str,
                        node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=port,
                        run_id=run_id)
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    env.update(server_env(LOOPBACK, os.environ))  # gloo's sockets on loopback too
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     env.update(base)
     return env
 
 
-def _free_port() -> int:
-    from distrun.launch.ports import free_port
-
-    return free_port("127.0.0.1")
+def _store_socket() -> socket.socket:
+    """A socket listening on 127.0.0.1 and a free port, for rank 0's store (forked, not
+    inherited by what the kernel may start meanwhile)."""
+    sock = listen_socket(LOOPBACK, 0)
+    sock.set_inheritable(False)
+    return sock

@@ -67,9 +67,12 @@ class _Rank:
 class WorkerGroup:
     """The forked ranks of one launch: ``run()`` returns rank 0's value or raises."""
 
-    def __init__(self, stop_grace: float, show_all: bool = False) -> None:
+    def __init__(self, stop_grace: float, show_all: bool = False,
+                 private_fds: Mapping[int, Sequence[int]] | None = None) -> None:
+        """``private_fds``: by rank, descriptors only that rank keeps (the others close them)."""
         self.stop_grace = stop_grace
         self.show_all = show_all
+        self.private_fds = dict(private_fds or {})
         self.ranks: list[_Rank] = []
         self.interrupts = 0  # Ctrl-Cs received while the ranks ran
         self._kill_at: float | None = None
@@ -117,7 +120,8 @@ class WorkerGroup:
 
     def _fork(self, rank: int, target: Callable[[], Any], env: Mapping[str, str]) -> None:
         pipes = [os.pipe() for _ in range(3)]
-        parent_ends = [fd for r in self.ranks for fd in r.fds] + [r for r, _ in pipes]
+        parent_ends = [fd for r in self.ranks for fd in r.fds] + [r for r, _ in pipes] + \
+            [fd for owner, fds in self.private_fds.items() if owner != rank for fd in fds]
         fds = dict(zip((r for r, _ in pipes), ("out", "err", "report")))
         seen = self.interrupts
         with warnings.catch_warnings():

@@ -12,6 +12,7 @@ import collections
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ class RankHost:
         self.proc: subprocess.Popen | None = None
         self.lines: collections.deque[tuple[str, str]] = collections.deque()
         self.readers: list[threading.Thread] = []
+        self.store: socket.socket | None = None  # rank 0's store socket, until start()
 
     def node(self) -> tuple[str, str]:
         """(IP address, Ray node id) of the node this actor was placed on."""
@@ -46,25 +48,51 @@ class RankHost:
 
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def free_port(self) -> int:
-        """A port free on this node's address (rank 0 hosts torch's store on it)."""
+    def store_port(self, bind: str | None) -> int:
+        """The port of rank 0's store on this node.
+
+        With a bind address the socket is bound here, on that address only, and kept for the
+        worker :meth:`start` starts next, which serves the store on it (torch's own would listen
+        on every interface). Without one: a port free on this node's address.
+        """
         import ray
 
+        from distrun.launch.binding import listen_socket
         from distrun.launch.ports import free_port
 
-        return free_port(ray.util.get_node_ip_address())
+        if bind is None:
+            return free_port(ray.util.get_node_ip_address())
+        self.store = listen_socket(bind, 0)
+        return self.store.getsockname()[1]
 
-    def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str) -> int:
-        """Start the worker with this node's Python; ``env`` is added to the actor's own."""
+    def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str,
+              bind: str | None = None) -> int:
+        """Start the worker with this node's Python; ``env`` is added to the actor's own.
+
+        ``bind``: the address the worker's servers listen on (gloo's and tensorpipe's interface
+        is looked up on this node).
+        """
+        from distrun.launch.binding import STORE_FD_ENV, server_env
+
         full_env = dict(os.environ)
         full_env.update(env)
+        full_env.update(server_env(bind, full_env))
+        fds: tuple[int, ...] = ()
+        if self.store is not None:
+            full_env[STORE_FD_ENV] = str(self.store.fileno())
+            fds = (self.store.fileno(),)
         argv = [sys.executable, *command[1:]]  # the launcher's interpreter path may differ here
         self.lines.clear()
-        self.proc = subprocess.Popen(
-            argv, env=full_env, cwd=cwd if os.path.isdir(cwd) else None,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-            errors="replace", preexec_fn=_die_with_parent,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                argv, env=full_env, cwd=cwd if os.path.isdir(cwd) else None,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                errors="replace", preexec_fn=_die_with_parent, pass_fds=fds,
+            )
+        finally:
+            if self.store is not None:
+                self.store.close()  # the worker holds it now
+                self.store = None
         self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
                         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
         for t in self.readers:

@@ -2,7 +2,9 @@
 
 The launcher reserves one placement-group bundle per rank, places a :class:`RankHost` actor in
 each, gives every rank torchrun's variables (rank 0's node address and a port free there as the
-master) and streams the workers' lines back. When a rank fails the others are stopped, the rank
+master) and streams the workers' lines back. When every rank is on one node, the run's servers
+listen on that node's address only (:mod:`distrun.launch.binding`): rank 0's actor binds the
+store's socket there and hands it to its worker, gloo gets that address's interface. When a rank fails the others are stopped, the rank
 and its last lines are reported and, with ``--ray-max-restarts N``, the whole group starts
 again with ``TORCHELASTIC_RESTART_COUNT`` raised and ``--resume auto`` (so a checkpoint plugin
 continues from the newest checkpoint of the run).
@@ -21,6 +23,7 @@ from typing import IO, Any
 
 from distrun import UsageError
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun.launch.binding import bind_address
 from distrun.launch.exits import exit_code
 from distrun.launch.local import STOP_GRACE, torchrun_env
 from distrun.launch.relay import Relay, new_tail, report_failure
@@ -179,14 +182,15 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
         for attempt in range(restarts + 1):
             pg, ranks = _place(ray, config, n)
             master_ip = ranks[0].ip
-            port = ray.get(ranks[0].actor.free_port.remote(), timeout=60)
+            nnodes = len({r.node_rank for r in ranks})
+            bind = bind_address(nnodes, master_ip)  # one node: its address, never every one
+            port = ray.get(ranks[0].actor.store_port.remote(bind), timeout=60)
             cfg = config if attempt == 0 or config.resume != "never" else \
                 with_values(config, resume="auto")
             log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
             starts = []
-            nnodes = len({r.node_rank for r in ranks})
             for r in ranks:
                 env = dict(base)
                 env[CONFIG_ENV] = cfg.to_json()
@@ -198,7 +202,7 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                 env.setdefault("PYTHONUNBUFFERED", "1")
                 if log_dir:
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
-                starts.append(r.actor.start.remote(command, env, os.getcwd()))
+                starts.append(r.actor.start.remote(command, env, os.getcwd(), bind))
             ray.get(starts, timeout=120)
             failed = _run_group(ray, ranks, stop, config.tee)
             _release(ray, ranks, pg, remove_placement_group)

@@ -4,6 +4,12 @@
 SIGTERM to ``ray start --block`` (which stops its GCS, raylet and workers in order, ~2 s),
 then SIGKILL to whatever of its process tree is still alive. A SIGTERM to the whole group at
 once is slower: the GCS and the autoscaler monitor then wait for each other for ~15 s.
+
+The head also ends when the process that started it does, however that ends (a test run
+killed by its timeout, kill -9): ``ray start`` runs under :mod:`distrun.launch.reaper`, which
+the kernel signals at its parent's death and which then stops the head the same way, every
+process Ray started included (they would otherwise be reparented to init and run on), and
+removes its session folder.
 Ray binds to the node address, so ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps the node on
 the loopback address and every port on 127.0.0.1.
 """
@@ -22,6 +28,7 @@ from types import TracebackType
 
 from distrun.launch.lifeline import pid_alive
 from distrun.launch.ports import free_port
+from distrun.launch.reaper import reaped
 
 __all__ = ["LocalRayCluster"]
 
@@ -57,8 +64,9 @@ class LocalRayCluster:
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **self.env}
         env.pop("RAY_ADDRESS", None)
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(reaped(command, grace=5.0, remove=self.temp_dir),
+                                     env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

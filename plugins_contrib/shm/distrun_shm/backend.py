@@ -16,9 +16,10 @@ import secrets
 import socket
 from typing import Any
 
-from distrun.launch.lifeline import pid_alive
+from distrun.launch.lifeline import pid_alive, pid_start_time
 
-__all__ = ["leftover_segments", "load", "machine_id", "remove_stale_segments", "segment_prefix"]
+__all__ = ["creator_gone", "leftover_segments", "load", "machine_id", "remove_stale_segments",
+           "segment_prefix", "segments"]
 
 _loaded = False
 _counter = itertools.count()
@@ -65,24 +66,43 @@ def machine_id() -> str:
 
 
 def segment_prefix() -> str:
-    """Names of this user's segments start so in /dev/shm (then ``<pid>-`` of the creator)."""
+    """Names of this user's segments start so in /dev/shm, then the creator (``<pid>.<start>-``,
+    its pid and start time: see :func:`creator_gone`)."""
     return f"distrun-shm-{os.getuid()}-"
 
 
-def leftover_segments() -> list[str]:
-    """This user's segments in /dev/shm whose creator has ended (a kill -9 in the window
-    between creating and unlinking); a live creator's belong to a run still going."""
-    prefix = segment_prefix()
+def _creator_tag() -> str:
+    pid = os.getpid()
+    return f"{pid}.{pid_start_time(pid) or 0}"
+
+
+def creator_gone(name: str) -> bool:
+    """Whether the process that created segment ``name`` (one of this user's) has ended.
+
+    By pid and start time: a pid the kernel gave to another process since is gone too. A name
+    without a start time (written by an earlier version) is judged by its pid alone.
+    """
+    tag = name[len(segment_prefix()):].split("-", 1)[0]
+    pid_text, _, start = tag.partition(".")
+    if not pid_text.isdigit():
+        return False  # not a name this backend writes: not ours to judge
+    pid = int(pid_text)
+    return not pid_alive(pid) or (start not in ("", "0") and pid_start_time(pid) != start)
+
+
+def segments() -> list[str]:
+    """This user's segments in /dev/shm (live runs' and abandoned ones), by name."""
     try:
-        names = os.listdir("/dev/shm")
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(segment_prefix()))
     except OSError:
         return []
-    out = []
-    for name in names:
-        pid_text = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
-        if pid_text.isdigit() and not pid_alive(int(pid_text)):
-            out.append(name)
-    return out
+
+
+def leftover_segments() -> list[str]:
+    """This user's segments in /dev/shm whose creator has ended (a kill -9 of a rank or its
+    launcher in the window between creating and unlinking); a live creator's belong to a run
+    still going."""
+    return [name for name in segments() if creator_gone(name)]
 
 
 def remove_stale_segments() -> list[str]:
@@ -144,7 +164,7 @@ def _create(options: Any, _backend_options: Any) -> Any:
         store.set(f"shm/mapped/{rank}", "1")
         return backend
     remove_stale_segments()
-    name = f"/{segment_prefix()}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    name = f"/{segment_prefix()}{_creator_tag()}-{next(_counter)}-{secrets.token_hex(4)}"
     backend = ext.create(0, size, name, True, pids, **sizes)
     try:
         store.set("shm/name", name)

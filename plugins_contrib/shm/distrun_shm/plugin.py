@@ -12,3 +12,10 @@ def distrun_register_backends(register):
         single_node=True, plugin="distrun-shm",
         help="POSIX shared memory between the ranks of one machine (CPU tensors; "
              "compiled on first use)"))
+
+
+@hookimpl
+def distrun_add_commands(cli):
+    from distrun_shm.cli import shm
+
+    cli.add_command(shm)

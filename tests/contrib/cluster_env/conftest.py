@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
+
 #: variables a scheduler or launcher may have left in the test's own environment
 _SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "PET_",
                        "KUBERNETES_", "DISTRUN_CLUSTER_ENV")
@@ -59,7 +61,8 @@ def distrun(*args: str, env: dict[str, str], cwd: Path, timeout: float = 180
 
 def start(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "distrun", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=die_with_parent())
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:

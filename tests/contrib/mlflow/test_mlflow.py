@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
 from distrun.loggers.csv_file import read_metrics
 from distrun.testing import run_cli
 
@@ -176,7 +177,7 @@ def preempt_after_rows(tmp_path: Path, name: str, rows: int, *flags: str) -> str
            "--max-epochs", "1000", *flags, TASK]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
     csv_path = tmp_path / "runs" / name / "metrics.csv"
     try:
         deadline = time.monotonic() + 120

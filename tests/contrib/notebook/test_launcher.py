@@ -18,7 +18,9 @@ import pytest
 import torch  # imported here as a notebook would: the forked ranks inherit it
 
 import distrun
+from distrun.launch.lifeline import die_with_parent
 from distrun.testing import imports_torch
+from distrun.testing.sockets import listeners_of_held_run
 from distrun_notebook import FitResult, LaunchFailed, notebook_launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -258,7 +260,7 @@ notebook_launcher(_sleeps, args=({folder!r},), num_processes=2)
 def test_ranks_die_with_the_kernel(tmp_path):
     """A kernel killed outright (kill -9, a crash, "restart kernel") takes its ranks along."""
     script = KERNEL_SCRIPT.format(here=str(Path(__file__).resolve().parent), folder=str(tmp_path))
-    kernel = subprocess.Popen([sys.executable, "-c", script])
+    kernel = subprocess.Popen([sys.executable, "-c", script], preexec_fn=die_with_parent())
     try:
         pids = read_pids(tmp_path, 2)
         kernel.kill()
@@ -266,6 +268,43 @@ def test_ranks_die_with_the_kernel(tmp_path):
         assert survivors(pids.values()) == []
     finally:
         kernel.kill()
+
+
+#: a kernel whose two ranks form a gloo group, then hold until the test has listed the sockets
+HOLDING_KERNEL = """
+import os, sys, time
+import torch
+from distrun_notebook import notebook_launcher
+
+
+def hold(folder):
+    import torch.distributed as dist
+
+    dist.init_process_group()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    open(os.path.join(folder, "ready%d" % dist.get_rank()), "w").close()
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    return total.item()
+
+
+print("sum", notebook_launcher(hold, args=(sys.argv[1],), num_processes=2))
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_listen_on_loopback_only(tmp_path):
+    """Rank 0's store (on the kernel's loopback socket) and gloo's: none on every interface."""
+    (tmp_path / "kernel.py").write_text(HOLDING_KERNEL)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    listeners, code, output = listeners_of_held_run(
+        [sys.executable, "kernel.py", str(hold)], hold, 2, cwd=tmp_path)
+    assert code == 0 and "sum 2.0" in output, output
+    assert len({s.pid for s in listeners}) >= 2, "\n".join(map(str, listeners))
+    assert all(s.loopback for s in listeners), "\n".join(map(str, listeners))
 
 
 # -- refusals: one line, nothing forked --------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,17 +17,23 @@ _SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "PET
 
 
 @pytest.fixture(scope="session")
-def ray_address() -> Iterator[str]:
-    """Start `ray start --head` on 127.0.0.1 (4 logical CPUs), stop its process group after."""
+def ray_cluster() -> Iterator[Any]:
+    """`ray start --head` on 127.0.0.1 (4 logical CPUs), stopped with its processes after."""
     from distrun_ray.local_cluster import LocalRayCluster
 
     cluster = LocalRayCluster(num_cpus=4, start_timeout=180)
-    address = cluster.start()
+    cluster.start()
     try:
-        yield address
+        yield cluster
     finally:
         left = cluster.stop()
         assert not left, f"Ray processes left after stopping the head: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster: Any) -> str:
+    """The address of the session's Ray head (``127.0.0.1:PORT``)."""
+    return ray_cluster.address
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +78,50 @@ def test_the_head_is_stopped_with_everything_it_started(h, tmp_path):
     assert left == set()
     assert _processes_using(temp_dir) == []  # nothing reparented elsewhere either
     assert not os.path.exists(temp_dir)
+
+
+@pytest.mark.slow
+def test_a_pytest_killed_outright_leaves_no_ray_head(tmp_path):
+    """A test run ended by kill -9 (a CI timeout, an OOM kill) runs no fixture teardown: the
+    head still ends, every process Ray started with it, within a bound."""
+    from distrun.launch.lifeline import pid_alive
+
+    held = tmp_path / "head.json"
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(Path(__file__).with_name("hold_head.py"))],
+        env={**os.environ, "HOLD_HEAD_FILE": str(held)}, cwd=Path(__file__).parents[3],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head: dict = {"pids": [], "temp_dir": None}
+    try:
+        deadline = time.monotonic() + 240
+        while not held.exists():
+            assert inner.poll() is None, f"the inner pytest ended first: exit {inner.returncode}"
+            assert time.monotonic() < deadline, "the inner pytest started no head in 240 s"
+            time.sleep(0.2)
+        head = json.loads(held.read_text())
+        assert len(head["pids"]) >= 4, head  # the reaper, ray start, GCS, raylet, agents
+        inner.kill()  # SIGKILL: no teardown, no atexit
+        inner.wait()
+        deadline = time.monotonic() + 30
+        while (any(pid_alive(p) for p in head["pids"])
+               or _processes_using(head["temp_dir"])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in head["pids"] if pid_alive(p)] == []
+        assert _processes_using(head["temp_dir"]) == []
+        while os.path.exists(head["temp_dir"]) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the reaper removes it once the processes are gone
+        assert not os.path.exists(head["temp_dir"])
+    finally:  # whatever failed above, nothing of that head runs on
+        if inner.poll() is None:
+            inner.kill()
+            inner.wait()
+        leftover = set(head["pids"]) | set(
+            _processes_using(head["temp_dir"]) if head["temp_dir"] else ())
+        for pid in leftover:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if head["temp_dir"]:
+            shutil.rmtree(head["temp_dir"], ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,34 @@ def test_two_ray_workers_form_a_gloo_group_and_stream_logs(h, tmp_path, ray_addr
     # and were kept per rank in the run folder (a plain script has one when asked: --name)
     logs = sorted(p.name for p in (tmp_path / "runs").glob("*/logs/rank*.log"))
     assert logs == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.slow
+def test_a_run_on_one_ray_node_listens_on_its_address_only(h, tmp_path, ray_cluster):
+    """Rank 0's store and gloo's sockets (children of the Ray actors, not of the launcher),
+    the launcher's and the head's own: read while the ranks hold."""
+    from distrun.testing.sockets import HOLD_SCRIPT, listeners_while_running, listening_sockets
+
+    (tmp_path / "hold.py").write_text(HOLD_SCRIPT)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    head = []
+
+    def ready() -> bool:
+        if not all((hold / f"ready{r}").exists() for r in range(2)):
+            return False
+        head.extend(listening_sockets(ray_cluster.processes()))
+        return True
+
+    listeners, code, output = listeners_while_running(
+        [sys.executable, "-m", "distrun", "run", "--launcher", "ray", "--ray-address",
+         ray_cluster.address, "--ray-num-workers", "2", "hold.py", str(hold)],
+        ready, str(hold / "go"), cwd=tmp_path, env=h.clean_env())
+    assert code == 0, output
+    every = listeners + head
+    workers = {s.pid for s in head if "distrun.train.worker" in s.command}
+    assert len(workers) == 2, "\n".join(map(str, every))
+    assert all(s.loopback for s in every), "\n".join(map(str, every))
 
 
 @pytest.mark.slow

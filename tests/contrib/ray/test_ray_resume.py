@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
+
 pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
 pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")
 
@@ -119,7 +121,7 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_checkpoint(h, tmp_pat
         _ray(ray_address, "--ray-max-restarts", "1", "--ray-env", "PID_FILE", *COMMON,
              "--max-steps", "6", "--name", "killed", "task.py", str(tmp_path / "ray.json")),
         cwd=tmp_path, env=h.clean_env(PID_FILE=str(pid_file)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
     try:
         deadline = time.monotonic() + 180
         while not pid_file.exists():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.launch.lifeline import die_with_parent
 from distrun.loggers.csv_file import read_metrics
 from distrun.testing import run_cli
 
@@ -189,7 +190,8 @@ def test_a_preempted_run_is_marked_and_exits_143(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "distrun", "run", *COMMON, "--name", name, "--max-epochs",
          "1000", TASK], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=die_with_parent())
     csv_path = tmp_path / "runs" / name / "metrics.csv"
     try:
         deadline = time.monotonic() + 120

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distrun.launch.lifeline import die_with_parent
+
 HERE = Path(__file__).resolve().parent
 TASK = str(HERE / "elastic_task.py") + ":ElasticTask"
 #: the run every recovery test compares with: 2 ranks, 2 epochs of 16 steps, 36 steps in all
@@ -71,7 +73,7 @@ class Launcher:
         self._fh = open(self.log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen([sys.executable, "-m", "distrun", "run", *args], cwd=cwd,
                                      env=full_env, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent())
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

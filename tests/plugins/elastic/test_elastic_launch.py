@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from distrun.config.run_config import CONFIG_ENV, resolve_config, with_values
 from distrun.registry.collect import collect_options
 from distrun.registry.manager import make_plugin_manager
 from distrun.testing import run_cli
+from distrun.testing.sockets import HOLD_SCRIPT, listeners_of_held_run
 
 HERE = Path(__file__).resolve().parent
 ENV = {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "DISTRUN_PLUGINS": "distrun_elastic.plugin"}
@@ -126,6 +128,30 @@ def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
     # Each attempt's rendezvous picks its own store port.
     ports = {e["TORCHELASTIC_RESTART_COUNT"]: e["MASTER_PORT"] for e in envs}
     assert ports["0"] != ports["1"]
+
+
+#: the first attempt fails; the restarted one holds while the test lists the sockets
+RESTART_THEN_HOLD = """
+import os, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    sys.exit(3)
+""" + HOLD_SCRIPT
+
+
+@pytest.mark.slow
+def test_the_agents_stores_and_the_workers_listen_on_loopback_only(tmp_path):
+    """The rendezvous store, the restarted attempt's store and gloo: none on every interface."""
+    (tmp_path / "hold.py").write_text(RESTART_THEN_HOLD)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    listeners, code, output = listeners_of_held_run(
+        [sys.executable, "-m", "distrun", "run", "--max-restarts", "1", "--nproc-per-node", "2",
+         "--monitor-interval", "0.05", "hold.py", str(hold)], hold, 2, cwd=tmp_path, env=ENV)
+    assert code == 0, output
+    assert "rank 1 exited with code 3; restarting the workers" in output
+    agent = [s for s in listeners if "distrun.train.worker" not in s.command]
+    assert len(agent) >= 2, "\n".join(map(str, listeners))  # rendezvous + attempt store
+    assert all(s.loopback for s in listeners), "\n".join(map(str, listeners))
 
 
 @pytest.mark.slow

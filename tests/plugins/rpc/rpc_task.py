@@ -1,7 +1,7 @@
 """The script the rpc tests run with ``distrun run``: a tiny task and a recorder plugin.
 
     distrun run --nproc-per-node 3 --strategy rpc rpc_task.py --out result.json [--hybrid]
-        [--die-rank R --die-step N]
+        [--die-rank R --die-step N] [--hold DIR]
 
 Trainer 0 writes ``--out``: final parameters (what the servers hold at the end), per-step
 losses and each server's update count. ``--die-rank`` makes that rank vanish (``os._exit``)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,12 @@ def synthetic(n: int = 256, seed: int = 7) -> torch.utils.data.TensorDataset:
 
 
 class TinyTask(distrun.Task):
-    def __init__(self, die_rank: int = -1, die_step: int = -1, kill_server_step: int = -1) -> None:
+    def __init__(self, die_rank: int = -1, die_step: int = -1, kill_server_step: int = -1,
+                 hold: str = "") -> None:
         self.data = synthetic()
         self.die_rank, self.die_step = die_rank, die_step
         self.kill_server_step = kill_server_step
+        self.hold = hold
         self.steps = 0
 
     def configure_model(self) -> nn.Module:
@@ -50,6 +53,10 @@ class TinyTask(distrun.Task):
 
     def training_step(self, model, batch):
         self.steps += 1
+        if self.hold and self.steps == 1:  # every rank's servers are up: wait for the test
+            open(os.path.join(self.hold, f"ready{os.environ['RANK']}"), "w").close()
+            while not os.path.exists(os.path.join(self.hold, "go")):
+                time.sleep(0.05)
         if self.steps == self.die_step and int(os.environ.get("RANK", "0")) == self.die_rank:
             os._exit(3)
         if self.steps == self.kill_server_step and int(os.environ.get("RANK", "0")) == 0:
@@ -143,10 +150,12 @@ def main() -> None:
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=-1)
     parser.add_argument("--kill-server-step", type=int, default=-1)
+    parser.add_argument("--hold", default="", help="at step 1: write DIR/ready<RANK>, wait for "
+                        "DIR/go (the test lists the run's sockets meanwhile)")
     args = parser.parse_args()
     cls = TinyHybridTask if args.hybrid else TinyTask
     task = cls(die_rank=args.die_rank, die_step=args.die_step,
-               kill_server_step=args.kill_server_step)
+               kill_server_step=args.kill_server_step, hold=args.hold)
     distrun.Trainer(plugins=(Recorder(args.out),), max_epochs=EPOCHS, batch_size=BATCH,
                     log_every_n_steps=4, summary=False).fit(task)
 

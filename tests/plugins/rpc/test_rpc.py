@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import time
 
 import pytest
 
 from distrun.testing import run_cli
+from distrun.testing.sockets import listeners_of_held_run
 
 HERE = os.path.dirname(__file__)
 TASK = os.path.join(HERE, "rpc_task.py")
@@ -24,13 +26,17 @@ HAVE_SAFETENSORS = importlib.util.find_spec("distrun_safetensors") is not None
 TIMEOUT = 240
 
 
+def _env(plugins: str = PLUGINS) -> dict[str, str]:
+    # Deprecation notices shown (Python hides them outside __main__ by default), so the
+    # assertions that torch's RPC notices are filtered mean something.
+    return {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "DISTRUN_PLUGINS": plugins,
+            "PYTHONWARNINGS": "default::DeprecationWarning,default::UserWarning"}
+
+
 def _run(tmp_path, *flags: str, script_args: tuple[str, ...] = (), name: str = "out",
          plugins: str = PLUGINS):
     out = tmp_path / f"{name}.json"
-    # Deprecation notices shown (Python hides them outside __main__ by default), so the
-    # assertions that torch's RPC notices are filtered mean something.
-    env = {"DISTRUN_DISABLE_PLUGIN_AUTOLOAD": "1", "DISTRUN_PLUGINS": plugins,
-           "PYTHONWARNINGS": "default::DeprecationWarning,default::UserWarning"}
+    env = _env(plugins)
     result = run_cli("run", *flags, "--timeout", "60", "--rpc-timeout", "30", TASK,
                      "--out", str(out), *script_args, cwd=tmp_path, env=env, timeout=TIMEOUT)
     return result, out
@@ -76,6 +82,21 @@ def test_sync_two_servers_match_one_process(tmp_path, reference):
     assert [s["updates"] for s in got["stats"]] == [len(got["losses"])] * 2  # both shards
     _assert_close(got["params"], reference, tol=1e-5)
     _no_torch_notices(result)
+
+
+@pytest.mark.slow
+def test_an_rpc_run_listens_on_loopback_only(tmp_path):
+    """The RPC store, tensorpipe's listeners and gloo's, read while the trainer holds step 1."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    listeners, code, output = listeners_of_held_run(
+        [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "3", "--strategy", "rpc",
+         "--rpc-servers", "2", "--timeout", "60", "--rpc-timeout", "30", TASK,
+         "--out", str(tmp_path / "out.json"), "--hold", str(hold)],
+        hold, 1, cwd=tmp_path, env=_env(), timeout=TIMEOUT)
+    assert code == 0, output
+    assert len({s.pid for s in listeners}) == 3, "\n".join(map(str, listeners))  # every rank
+    assert all(s.loopback for s in listeners), "\n".join(map(str, listeners))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,117 @@
+"""A worker ends its process as ``python`` would (issue 26, item 0): threading's exit callbacks
+stop idle pool threads before non-daemon threads are joined, a thread still working after main
+returns finishes, and the exit handlers run newest first, all before the exit code is given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distrun.testing import run_cli
+
+#: a pool kept alive by a module (as torch.compile's, a tokenizer's or a data loader's is), a
+#: thread that does its work after main has returned, two exit handlers, an exit code
+EXIT_ORDER = """
+import atexit, logging, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+
+logging.pool = ThreadPoolExecutor(2)
+print("pool:", logging.pool.submit(pow, 6, 2).result(), flush=True)
+go = threading.Event()
+
+def late_work():
+    go.wait()
+    time.sleep(0.3)  # main has returned by now
+    print("thread: finished after main", flush=True)
+
+threading.Thread(target=late_work).start()
+atexit.register(print, "atexit: registered first, runs last")
+atexit.register(print, "atexit: registered last, runs first")
+print("main: done", flush=True)
+go.set()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_live_thread_pool_exits_and_late_work_and_exit_handlers_run_as_under_python(
+        tmp_path):
+    (tmp_path / "order.py").write_text(EXIT_ORDER)
+    python = subprocess.run([sys.executable, "order.py", "3"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert python.returncode == 3, python.stderr
+    assert python.stdout.splitlines() == [
+        "pool: 36", "main: done", "thread: finished after main",
+        "atexit: registered last, runs first", "atexit: registered first, runs last"]
+    ours = run_cli("run", "--nproc-per-node", "1", "order.py", "3", cwd=tmp_path, timeout=60)
+    assert ours.returncode == 3, ours
+    assert ours.stdout == python.stdout
+
+
+#: a torchrun script: a group it never destroys, a module-held pool that ran a collective
+TORCHRUN_POOL = """
+import atexit, logging, os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+
+def say(words):  # one write per line: both ranks share the console
+    sys.stdout.write(f"{rank}: {words}\\n")
+    sys.stdout.flush()
+
+dist.init_process_group("gloo")
+logging.pool = ThreadPoolExecutor(2)
+total = torch.tensor([rank + 1.0])
+logging.pool.submit(dist.all_reduce, total).result()
+say(f"sum {total.item()}")
+go = threading.Event()
+threading.Thread(target=lambda: (go.wait(), say("thread done"))).start()
+atexit.register(say, "atexit")
+say("main done")
+go.set()
+"""
+
+
+def _by_rank(stdout: str) -> dict[str, list[str]]:
+    lines: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        rank, _, rest = line.partition(": ")
+        lines.setdefault(rank, []).append(rest)
+    return lines
+
+
+@pytest.mark.slow
+def test_a_torchrun_script_with_a_live_pool_behaves_as_under_torchrun(tmp_path):
+    (tmp_path / "pool.py").write_text(TORCHRUN_POOL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "pool.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert torchrun.returncode == 0, torchrun.stderr
+    expected = ["sum 3.0", "main done", "thread done", "atexit"]
+    assert _by_rank(torchrun.stdout) == {"0": expected, "1": expected}, torchrun.stdout
+    ours = run_cli("run", "--nproc-per-node", "2", "pool.py", cwd=tmp_path, timeout=180)
+    assert ours.returncode == torchrun.returncode, ours
+    assert _by_rank(ours.stdout) == _by_rank(torchrun.stdout), ours
+
+
+@pytest.mark.slow
+def test_compiled_ddp_run_of_the_digits_example_ends(tmp_path):
+    """torch.compile keeps a thread pool while it compiles: the run used to train, print its
+    result and then hang at exit. A cache of its own, so it compiles (a warm cache starts no
+    pool)."""
+    pytest.importorskip("distrun_ddp", reason="needs distrun-ddp")
+    pytest.importorskip("sklearn", reason="the digits example reads scikit-learn's data")
+    digits = Path(__file__).parents[2] / "examples" / "digits.py"
+    result = run_cli("run", "--nproc-per-node", "2", "--strategy", "ddp", "--max-epochs", "1",
+                     "--compile", "--run-dir", str(tmp_path / "run"), str(digits),
+                     cwd=tmp_path, timeout=420,
+                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert result.returncode == 0, result
+    assert "validation accuracy:" in result.stdout, result
