@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from distrun.launch.exits import ExitWatch, exit_code
+from distrun.launch.generation import GENERATION_ENV
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
@@ -56,10 +57,6 @@ _USAGE_ERROR = 2
 _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 #: phrases of a rank that failed because a peer died first (not the root cause)
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-
-
-#: the worker environment variable holding the rendezvous generation (see liveness)
-GENERATION_ENV = "DISTRUN_RDZV_GENERATION"
 
 
 def _say(message: str) -> None:
