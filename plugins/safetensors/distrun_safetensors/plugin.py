@@ -53,7 +53,8 @@ def _checkpointer(run: Any) -> Any:
         cfg = run.config
         state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
                              split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
-                             async_save=cfg.ckpt_async)
+                             async_save=cfg.ckpt_async,
+                             rdzv_generation=run.generation)
         run.stash[_KEY] = state
     return state
 
