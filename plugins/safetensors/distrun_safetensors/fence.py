@@ -13,9 +13,9 @@ Why the folder draws the numbers rather than taking the rendezvous generation as
 rendezvous store lives in one agent, so a job that is launched again (a requeue, a rerun with
 ``--resume auto``) counts its rounds from 1 again, below the generations already on disk. The
 folder is the one thing every start of the run shares, so its counter keeps growing. A round
-draws before its first gather of a save, and that gather needs every rank of the round; so a
-round that drew first is one whose ranks were all alive first, and a stale round's number is
-always below the number of the round that replaced it.
+draws right after all its ranks agreed to its first save (a collective), so they were all alive
+then; the round that replaces it forms only once some of them are gone and draws later, so a
+stale round's number is always below the number of the round that replaced it.
 
 The lock is a file made with ``link(2)``, atomic on local filesystems and on NFS (whose
 ``flock`` may be local to each client): ``.commit.lock``, linked from a uniquely named file
