@@ -79,7 +79,7 @@ def test_two_processes_race_and_a_stale_generation_never_moves_latest(tmp_path):
     old_done, new_done = ctx.Event(), ctx.Event()
     old = ctx.Process(target=_writer, args=(directory, 3, 1, str(tmp_path / "old.json"), go_old,
                                             old_started, old_done, new_done, 0))
-    new = ctx.Process(target=_writer, args=(directory, 4, 101, str(tmp_path / "new.json"),
+    new = ctx.Process(target=_writer, args=(directory, 4, 10001, str(tmp_path / "new.json"),
                                             go_new, new_started, new_done, None, 15))
     old.start()
     new.start()
@@ -118,7 +118,7 @@ def test_two_processes_race_and_a_stale_generation_never_moves_latest(tmp_path):
     assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]  # nothing left
     gens = [g for _, g in seen]
     assert 4 in gens and gens == sorted(gens), seen  # latest never went back to round 3
-    assert _latest(directory) == ("step-115", 4)
+    assert _latest(directory) == ("step-10015", 4)
 
 
 def test_a_stale_commit_after_a_fresh_one_is_refused_with_one_line(tmp_path, cli):
