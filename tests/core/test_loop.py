@@ -97,3 +97,21 @@ def test_two_ranks_match_one_process(distrun_pm, tmp_path, accum):
     # the logged loss is reduced across ranks: identical on both, close to 1-process's
     assert m0["loss"] == m1["loss"]
     assert m0["loss"] == pytest.approx(single.metrics["loss"], rel=1e-4)
+
+
+def test_run_generation_comes_from_the_launch_environment(distrun_pm, tmp_path, monkeypatch,
+                                                          capsys):
+    """`run.generation`: the rendezvous round an elastic agent exports (0 without one)."""
+    from distrun.launch.generation import GENERATION_ENV
+
+    monkeypatch.delenv(GENERATION_ENV, raising=False)
+    assert fit(tmp_path, max_steps=1, batch_size=32).generation == 0
+    monkeypatch.setenv(GENERATION_ENV, "7")
+    assert fit(tmp_path, max_steps=1, batch_size=32).generation == 7
+    monkeypatch.setenv(GENERATION_ENV, "-1")
+    with pytest.raises(SystemExit) as info:
+        fit(tmp_path, max_steps=1, batch_size=32)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: DISTRUN_RDZV_GENERATION='-1' is not a rendezvous generation (a whole number "
+        ">= 0, set by the elastic agent; unset it)\n")

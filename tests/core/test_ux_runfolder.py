@@ -140,8 +140,16 @@ def test_resume_keeps_metrics_csv_as_one_run(tmp_path):
     second = run_cli(*common, "--max-steps", "12", "--resume", "auto", TINY, cwd=tmp_path)
     assert second.returncode == 0, second
     assert "Resumed from" in second.stdout and "at step 6" in second.stdout
+    # the first run logged steps 8 (loss) and 8 (val_loss) after the checkpoint of step 6
+    ckpt = os.path.join("runs", "r", "checkpoints", "step-6")
+    assert second.stdout.count("metrics.csv: replacing") == 1, second.stdout
+    assert (f"metrics.csv: replacing 2 rows of step 8: the run went back to step 6 (resumed "
+            f"from {ckpt})") in second.stdout
     with open(tmp_path / "runs" / "r" / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
+    # each step once: one row of train metrics, one of validation metrics
+    kinds = [(r["step"], bool(r["loss"])) for r in rows]
+    assert len(kinds) == len(set(kinds)), rows
     # Steps 2..6 kept from the first run, 8 written again by the resumed run, no duplicates.
     train = [int(r["step"]) for r in rows if r["loss"]]
     assert train == [2, 4, 6, 8, 10, 12]

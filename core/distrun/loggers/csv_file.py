@@ -3,7 +3,7 @@
 Columns are ``step``, ``epoch``, ``time`` (seconds since the fit started) and every metric in
 the order it first appeared (``loss``, ``samples_per_sec``, ``lr``, ``val_*``...). A new column
 rewrites the (small) file; otherwise rows are appended. On resume, rows after the restored
-step are dropped so the file reads as one run.
+step are dropped so the file reads as one run (each step once), and rank 0 says so in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from distrun.spec.markers import hookimpl
 from distrun.spec.options import Option
 from distrun.spec.stash import StashKey
 
-__all__ = ["METRICS_FILE", "CsvLogger", "read_metrics"]
+__all__ = ["METRICS_FILE", "CsvLogger", "read_metrics", "replaced_rows_line"]
 
 METRICS_FILE = "metrics.csv"
 _KEY: StashKey[CsvLogger] = StashKey("csv_logger")
@@ -41,8 +41,13 @@ class CsvLogger:
         self._fh: Any = None  # the file, open for appending once a row is appended
         self._append: Any = None
         self.started = time.time()
+        #: the steps of the rows dropped on resume (the run went back before them)
+        self.dropped: list[int] = []
         if keep_until_step is not None and os.path.exists(path):
-            self.rows = [r for r in read_metrics(path) if r.get("step", 0) <= keep_until_step]
+            rows = read_metrics(path)
+            self.rows = [r for r in rows if r.get("step", 0) <= keep_until_step]
+            self.dropped = [int(r.get("step", 0)) for r in rows
+                            if r.get("step", 0) > keep_until_step]
             for row in self.rows:
                 self.columns += [k for k in row if k not in self.columns]
             if self.rows:
@@ -118,7 +123,19 @@ def _open(run: Any) -> CsvLogger | None:
     if keep == -1:
         keep = 1 << 62 if os.path.exists(path) else None
     logger = run.stash[_KEY] = CsvLogger(path, keep_until_step=keep)
+    if logger.dropped:
+        run.log.info("%s", replaced_rows_line(logger.dropped, run.progress.step,
+                                              run.resumed_from))
     return logger
+
+
+def replaced_rows_line(steps: list[int], resumed_step: int, source: str | None) -> str:
+    """The log line of a resume that rolled ``metrics.csv`` back past the rows of ``steps``."""
+    lo, hi = min(steps), max(steps)
+    which = f"step {lo}" if lo == hi else f"steps {lo} to {hi}"
+    rows = f"{len(steps)} row{'s' * (len(steps) != 1)}"
+    return (f"metrics.csv: replacing {rows} of {which}: the run went back to step "
+            f"{resumed_step} (resumed from {source})")
 
 
 @hookimpl

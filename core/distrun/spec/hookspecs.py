@@ -9,7 +9,9 @@ Conventions (as in pytest and pluggy):
   implementation (``yield`` runs the inner hooks and returns their result).
 - ``run`` is the :class:`distrun.train.run.Run` of this worker: ``run.config``, ``run.task``,
   ``run.strategy``, ``run.model``, ``run.optimizer``, ``run.train_loader``, ``run.progress``,
-  ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``.
+  ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``, and
+  ``run.generation``: the rendezvous round of an elastic run (it grows with every round and is
+  the same on every rank of one; 0 outside the elastic agent; ``DISTRUN_RDZV_GENERATION``).
 
 Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
 ``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch``. In each

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distrun.launch.generation import read_generation
 from distrun.spec.stash import Stash
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class Run:
         #: set by the loop: stop after this step (agreed by every rank, or max_steps)
         self.done = False
         self.resumed_from: str | None = None
+        #: the rendezvous round this worker belongs to: it grows with every round of an
+        #: elastic run and is the same on every rank of a round; 0 outside the elastic agent
+        #: (``DISTRUN_RDZV_GENERATION``, read once here). A checkpoint commit records it.
+        self.generation: int = read_generation()
         self.run_dir = config.run_dir
         self.log = log
         self._scoped: list[Any] = []

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun.launch.folder_lock import lock_run_folders, release_all, run_key
@@ -174,7 +174,10 @@ class Trainer:
             pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
         except DistrunError as exc:
             _exit_on_error(exc, debug=bool(self._options.get("debug")))
-        self._run = Run(config, task, pm)
+        try:
+            self._run = Run(config, task, pm)
+        except DistrunError as exc:
+            _exit_on_error(exc, debug=config.debug)
         _OPEN = self
         _register_close()
         return self._run
@@ -293,7 +296,7 @@ def _close_open() -> None:
         _OPEN.close()
 
 
-def _exit_on_error(exc: DistrunError, debug: bool) -> None:
+def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:
     if debug:
         raise exc
     print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -48,6 +48,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from distrun.launch.binding import listen_socket, server_env
 from distrun.launch.exits import ExitWatch, exit_code
+from distrun.launch.generation import GENERATION_ENV
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
 from distrun.spec.errors import DistrunError
@@ -66,8 +67,6 @@ _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
-#: the worker environment variable holding the rendezvous generation (see liveness)
-GENERATION_ENV = "DISTRUN_RDZV_GENERATION"
 #: the signal the heartbeat thread sends the agent's main thread when the store is lost
 _WAKE = signal.SIGUSR2
 

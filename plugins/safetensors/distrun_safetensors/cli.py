@@ -134,7 +134,8 @@ def inspect_cmd(path: str, as_json: bool) -> None:
     when = _when(m)
     total = sum(f["size"] for f in m["files"].values())
     click.echo(f"checkpoint {c.folder}")
-    click.echo(f"  step {m['step']}  reason {m.get('reason')}  saved {when}")
+    click.echo(f"  step {m['step']}  reason {m.get('reason')}  saved {when}  round "
+               f"{m.get('generation', 0)} (rendezvous round {m.get('rdzv_generation', 0)})")
     click.echo(f"  saved by {m['world_size']} rank(s), strategy {m.get('strategy')}, "
                f"meshes {m.get('meshes') or 'none'}")
     click.echo(f"  {len(m['files'])} files, {_human(total)}")
@@ -239,7 +240,8 @@ def ls_cmd(directory: str, timeout: float) -> None:
             if best and os.path.realpath(best) == os.path.realpath(folder):
                 tail += "  <- best"
             click.echo(f"{mark} {os.path.basename(folder):<16} step {m['step']:<8} {when}  "
-                       f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}{tail}")
+                       f"{_human(size):>10}  {m['world_size']} rank(s)  {m.get('reason')}  "
+                       f"round {m.get('generation', 0)}{tail}")
         except NewerFormatError as exc:  # not damaged: this build is older than the writer
             click.echo(f"{mark} {os.path.basename(folder):<16} NEWER FORMAT: {exc}")
         except CheckpointError as exc:

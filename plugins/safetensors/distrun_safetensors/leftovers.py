@@ -173,6 +173,9 @@ def sweep_stale(directory: str, timeout: float | None = None) -> list[str]:
     """Remove the abandoned leftovers of ``directory`` (see :func:`find_leftovers`); return the
     temporary folders removed. Safe when several runs share the folder: a leftover whose lock
     is held is left alone."""
+    from distrun_safetensors.fence import clear_dead_lock
+
+    clear_dead_lock(directory)  # a commit killed while it held the folder's commit lock
     removed = []
     for leftover in find_leftovers(directory, timeout):
         if not leftover.abandoned:

@@ -14,11 +14,11 @@ from typing import Any
 
 from distrun_safetensors.checksums import checksum
 from distrun_safetensors.errors import CheckpointError, NewerFormatError
-from distrun_safetensors.paths import member, read_member
+from distrun_safetensors.paths import GENERATION_FILE, member, read_member
 
 __all__ = ["FORMAT", "VERSION", "Checkpoint", "best_candidates", "candidates", "check_version",
-           "inside", "monitor_record", "outside_links", "read_json", "read_latest",
-           "read_manifest", "read_pointer"]
+           "inside", "manifest_generation", "monitor_record", "outside_links",
+           "read_generation_file", "read_json", "read_latest", "read_manifest", "read_pointer"]
 
 FORMAT = "distrun-safetensors"
 #: 2: files are checked with CRC-32C (the manifest's ``checksum``); 1: zlib's CRC-32
@@ -34,6 +34,10 @@ BEST = "best"
 MONITOR = "monitor"
 #: the manifest key recording, per index file, each tensor's ``"<dtype>[<shape>]"``
 TENSORS = "tensors"
+#: the manifest key recording the generation of the start that committed it (see fence.py)
+GENERATION = "generation"
+#: ... and the rendezvous round it ran in (``run.generation``: 0 outside the elastic agent)
+RDZV_GENERATION = "rdzv_generation"
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
 #: leaves it as the newest valid one; the next commit removes it)
@@ -145,9 +149,32 @@ def read_manifest(folder: str) -> dict[str, Any]:
     if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < 1e11:
         raise CheckpointError(f"{path}: manifest is malformed (committed_at {str(when)[:40]!r} "
                               "is not a time in seconds)")
+    for key in (GENERATION, RDZV_GENERATION):
+        value = manifest.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{path}: manifest is malformed ({key} {str(value)[:40]!r} "
+                                  "is not a whole number >= 0)")
     for name in files:
         member(folder, name)
     return manifest
+
+
+def manifest_generation(manifest: dict[str, Any] | None) -> int:
+    """The generation a manifest records (0: none, or written before generations)."""
+    value = (manifest or {}).get(GENERATION, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def read_generation_file(ckpt_dir: str) -> int:
+    """The newest generation drawn in ``ckpt_dir`` (0 when the file is missing or unreadable:
+    the fence then relies on the checkpoint ``latest`` names)."""
+    if not os.path.lexists(os.path.join(ckpt_dir, GENERATION_FILE)):
+        return 0
+    try:
+        record = json.loads(read_member(ckpt_dir, GENERATION_FILE, 4096, "generation file"))
+    except (OSError, ValueError, CheckpointError):
+        return 0
+    return manifest_generation(record if isinstance(record, dict) else None)
 
 
 # -- discovery -----------------------------------------------------------------------------------
@@ -236,16 +263,6 @@ def best_candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
     return order, notes
 
 
-def committed_at(folder: str) -> float:
-    manifest = read_manifest_quietly(folder)  # never through a link that leaves
-    if manifest is None:
-        return -1.0
-    value = manifest.get("committed_at", 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return -1.0
-    return float(value)
-
-
 def inside(ckpt_dir: str, folder: str) -> bool:
     """True when ``folder`` (a ``step-N`` entry of ``ckpt_dir``) really lies in ``ckpt_dir``."""
     return os.path.dirname(os.path.realpath(folder)) == os.path.realpath(ckpt_dir)
@@ -262,8 +279,22 @@ def outside_links(ckpt_dir: str) -> list[str]:
             for n in names if not inside(ckpt_dir, os.path.join(ckpt_dir, n))]
 
 
+def _commit_order(folder: str) -> tuple[int, float, bool, int]:
+    """Sort key of a step folder: its generation, then its commit time (within a generation,
+    one start of the run: its newest step), a folder before its moved-aside copy, the step."""
+    manifest = read_manifest_quietly(folder)  # never through a link that leaves
+    when = (manifest or {}).get("committed_at", -1.0)
+    if isinstance(when, bool) or not isinstance(when, (int, float)):
+        when = -1.0
+    name = os.path.basename(folder)
+    m = STEP_RE.match(name) or _ASIDE_RE.match(name)
+    return (manifest_generation(manifest), float(when), not name.startswith("."),
+            int(m.group(1)) if m else -1)
+
+
 def step_folders(ckpt_dir: str) -> list[str]:
-    """``step-N`` folders of ``ckpt_dir``, newest commit first; links out of it are left out."""
+    """``step-N`` folders of ``ckpt_dir``, newest first: newest generation, then newest commit;
+    links out of it are left out."""
     try:
         names = [n for n in os.listdir(ckpt_dir) if STEP_RE.match(n) or _ASIDE_RE.match(n)]
     except OSError:
@@ -271,17 +302,14 @@ def step_folders(ckpt_dir: str) -> list[str]:
     folders = [os.path.join(ckpt_dir, n) for n in names
                if os.path.isdir(os.path.join(ckpt_dir, n))
                and inside(ckpt_dir, os.path.join(ckpt_dir, n))]
-
-    def order(folder: str) -> tuple[float, bool, int]:
-        name = os.path.basename(folder)
-        m = STEP_RE.match(name) or _ASIDE_RE.match(name)
-        return (committed_at(folder), not name.startswith("."), int(m.group(1)))
-
-    return sorted(folders, key=order, reverse=True)
+    keys = {f: _commit_order(f) for f in folders}
+    return sorted(folders, key=keys.__getitem__, reverse=True)
 
 
 def candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
-    """(folders to try in order: ``latest`` first then newest commits, notes about ``latest``)."""
+    """(folders to try in order, notes about ``latest``): the newest generation first, and
+    within it ``latest`` first, then the newest commits (``latest`` names the newest
+    generation's newest checkpoint unless a commit was cut short)."""
     notes = outside_links(ckpt_dir)
     latest, problem = read_latest(ckpt_dir)
     if problem:
@@ -291,7 +319,14 @@ def candidates(ckpt_dir: str) -> tuple[list[str], list[str]]:
         latest = None  # a link out of the folder: said in the notes above
     if latest is not None:
         if os.path.isdir(latest):
-            order = [latest] + [f for f in order if f != latest]
+            rest = [f for f in order if f != latest]
+            named = read_manifest_quietly(latest)
+            at = 0  # unreadable: tried first, so the warning says what is wrong with it
+            if named is not None:
+                mine = manifest_generation(named)
+                at = next((i for i, f in enumerate(rest)
+                           if manifest_generation(read_manifest_quietly(f)) <= mine), len(rest))
+            order = rest[:at] + [latest] + rest[at:]
         else:
             notes.append(f"{os.path.join(ckpt_dir, LATEST)} names {os.path.basename(latest)}, "
                          "which does not exist")

@@ -21,9 +21,11 @@ from typing import Any
 
 from distrun_safetensors.errors import CheckpointError
 
-__all__ = ["checked_path", "member", "open_member", "read_member"]
+__all__ = ["GENERATION_FILE", "checked_path", "member", "open_member", "read_member"]
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: the one hidden file read from a checkpoints folder: the newest generation drawn (fence.py)
+GENERATION_FILE = ".generation"
 
 
 def member(folder: str, name: Any, kind: str = "checkpoint") -> str:
@@ -31,7 +33,8 @@ def member(folder: str, name: Any, kind: str = "checkpoint") -> str:
 
     ``kind`` names the folder in messages (``checkpoint``, ``weights``).
     """
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or name != GENERATION_FILE and (
+            not _SAFE_NAME.match(name) or ".." in name):
         raise CheckpointError(
             f"{folder}: file name {str(name)[:200]!r} in the {kind} is not a plain file name "
             f"inside the folder (refusing to read outside the {kind})")

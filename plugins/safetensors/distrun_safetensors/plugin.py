@@ -11,6 +11,9 @@ PLUGIN = "safetensors"
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
 _LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic seconds
 _BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-monitor
+#: the nodes' view of the checkpoint folder, once checked: "" shared (or one node), else the
+#: one line a save or a resume fails with
+_UNSHARED: StashKey[str] = StashKey("safetensors.unshared")
 
 
 @hookimpl
@@ -54,7 +57,8 @@ def _checkpointer(run: Any) -> Any:
         cfg = run.config
         state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
                              split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
-                             async_save=cfg.ckpt_async)
+                             async_save=cfg.ckpt_async,
+                             rdzv_generation=run.generation)
         run.stash[_KEY] = state
     return state
 
@@ -63,10 +67,48 @@ def ckpt_dir(run: Any) -> str:
     return run.config.get("ckpt_dir") or run.checkpoint_dir
 
 
+def _check_storage(run: Any) -> None:
+    """Multi-node runs: refuse per-host checkpoint folders (see :mod:`.storage`), once per run.
+
+    An elastic run is refused at its start; a static one when it is set to save or resume,
+    otherwise at its first save (a preemption's included).
+    """
+    unshared = run.stash.get(_UNSHARED)
+    if unshared is None:
+        from distrun_safetensors.storage import node_count, probe
+
+        found = probe(ckpt_dir(run)) if node_count() > 1 else None
+        unshared = "" if found is None else _unshared_line(run, found.describe())
+        run.stash[_UNSHARED] = unshared
+        cfg = run.config
+        wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_save_on_end
+                 or cfg.get("ckpt_monitor", "") or cfg.resume != "never")
+        if unshared and (run.generation > 0 or wants):
+            from distrun import UsageError
+
+            raise UsageError(unshared)
+    elif unshared:
+        from distrun import UsageError
+
+        raise UsageError(unshared)
+
+
+def _unshared_line(run: Any, why: str) -> str:
+    if run.generation > 0:  # under the elastic agent: the survivors resume from it
+        need = ("an elastic run on several nodes resumes on the hosts that remain, from "
+                "checkpoints every node wrote")
+    else:
+        need = "each checkpoint of a run on several nodes is written by all of them"
+    return (f"the checkpoint folder {ckpt_dir(run)} is not shared by the nodes: {why}; {need}, "
+            "so it needs one folder every node sees (a shared filesystem such as NFS: "
+            "--ckpt-dir /shared/path)")
+
+
 @hookimpl
 def distrun_save_checkpoint(run, reason):
     if run.model is None:  # a rank that serves others (RPC parameter server) holds no model
         return None
+    _check_storage(run)
     saver = _checkpointer(run)
     if reason == "preempt":
         saver.async_save = False  # the process exits right after: write it now
@@ -106,6 +148,8 @@ def distrun_load_checkpoint(run, source):
     saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()
+    if run.stage == "fit":
+        _check_storage(run)
     pointer = "best" if run.config.get("ckpt_resume_best", False) else "latest"
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
                   verify=run.config.get("ckpt_verify", True), pointer=pointer)
@@ -118,6 +162,7 @@ def distrun_load_checkpoint(run, source):
 @hookimpl(tryfirst=True)  # the initial weights are in place before other plugins look
 def distrun_on_fit_start(run):
     run.stash[_LAST_SAVE] = time.monotonic()
+    _check_storage(run)
     if run.config.get("init_weights", "") and run.model is not None:
         _init_weights(run)
     if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start

@@ -25,6 +25,7 @@ from distrun_safetensors.manifest import (
     read_pointer,
     step_folders,
 )
+from distrun_safetensors.paths import GENERATION_FILE
 
 __all__ = ["Retention", "add_record", "point_best", "prune", "replace_pointer"]
 
@@ -98,7 +99,8 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
     """
     sweep_stale(directory)
     for name in os.listdir(directory):
-        if name.startswith((".old-step-", ".latest-", f".{BEST}-", ".manifest-")):
+        if name.startswith((".old-step-", ".latest-", f".{BEST}-", ".manifest-",
+                            f"{GENERATION_FILE}-")):
             path = os.path.join(directory, name)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)

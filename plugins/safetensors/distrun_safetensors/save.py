@@ -1,10 +1,11 @@
 """Saving: every rank writes its pieces in parallel, rank 0 commits the folder atomically.
 
 Commit protocol (see FORMAT.md): all files go into ``<dir>/.tmp-step-N-<id>/`` and are fsynced;
-each rank reports its files with sizes and CRC-32s to rank 0; rank 0 writes the indexes and
-finally ``manifest.json``, fsyncs them and the folder, renames it to ``step-N``, fsyncs the
-parent, then atomically replaces ``latest`` (and ``best``, with ``--ckpt-monitor``). Old
-checkpoints are pruned only after that.
+each rank reports its files with sizes and CRC-32Cs to rank 0, which commits them
+(:mod:`~distrun_safetensors.commit`: the indexes and the manifest, then, under the folder's
+commit lock and only when no newer generation took over, the rename to ``step-N`` and the new
+``latest``). Old checkpoints are pruned only after that. Rank 0 draws this start's generation
+(:mod:`~distrun_safetensors.fence`) at its first save.
 """
 
 from __future__ import annotations
@@ -21,40 +22,31 @@ from typing import Any
 
 import torch
 
-from distrun.launch.lifeline import launcher_alive
 from distrun_safetensors import comm
-from distrun_safetensors.checksums import DEFAULT as CHECKSUM
+from distrun_safetensors.commit import commit, tag, write_record
+from distrun_safetensors.errors import FencedError
+from distrun_safetensors.fence import (
+    STALE_AFTER,
+    draw_generation,
+)
 from distrun_safetensors.files import (
     CheckpointError,
-    durable,
-    fsync_dir,
     write_json,
     write_safetensors,
 )
 from distrun_safetensors.leftovers import LOCK_SUFFIX, claim
 from distrun_safetensors.manifest import (
     FORMAT,
-    LATEST,
-    MANIFEST,
-    MODEL_INDEX,
     MONITOR,
-    OPTIM_INDEX,
-    OPTIM_JSON,
-    TENSORS,
-    VERSION,
     data_file,
     state_files,
 )
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
 from distrun_safetensors.retention import (
     Retention,
-    add_record,
-    point_best,
     prune,
-    replace_pointer,
 )
 from distrun_safetensors.statecodec import encode
-from distrun_safetensors.validation import check_tensor
 
 __all__ = ["Checkpointer", "Retention", "optimizer_names"]
 
@@ -105,11 +97,22 @@ def collect_optimizer(optimizer: Any, model: torch.nn.Module) -> tuple[
 
 
 class Checkpointer:
-    """Writes checkpoints of one run into ``directory`` (every rank holds one)."""
+    """Writes checkpoints of one run into ``directory`` (every rank holds one).
+
+    ``rdzv_generation`` is the rendezvous round this process runs in (``run.generation``);
+    rank 0 draws this start's generation from the folder at the first save (see
+    :mod:`~distrun_safetensors.fence`), and a commit fails with :class:`FencedError` once a
+    newer start of the run took over the folder.
+    """
 
     def __init__(self, directory: str, keep_last: int = 0, split_bytes: int = 4 << 20,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, rdzv_generation: int = 0,
+                 lock_stale_after: float = STALE_AFTER) -> None:
         self.directory = directory
+        self.rdzv_generation = rdzv_generation
+        self.lock_stale_after = lock_stale_after
+        #: this start's generation (rank 0, from its first save on)
+        self.generation: int | None = None
         self.keep_last = keep_last
         self.split_bytes = split_bytes
         self.async_save = async_save
@@ -182,6 +185,12 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._release(tmp)
             raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
+        if rank == 0 and self.generation is None:  # before this save's gather: see fence.py
+            try:
+                self.generation = draw_generation(self.directory, self.rdzv_generation,
+                                                  self.lock_stale_after)
+            except (OSError, CheckpointError) as exc:  # said by the commit, to every rank
+                job["error"] = f"cannot draw a generation in {self.directory} ({exc})"
         if not self.async_save:
             self._write_and_commit(job, tmp, final, None)
             seconds = time.perf_counter() - started
@@ -294,12 +303,22 @@ class Checkpointer:
         if job["rank"] == 0:
             try:
                 outcome = self._commit(job, reports or [], tmp, final)
+            except FencedError as exc:
+                outcome = {"error": str(exc), "fenced": True}
+                shutil.rmtree(tmp, ignore_errors=True)
             except Exception as exc:
                 outcome = {"error": str(exc)}
                 shutil.rmtree(tmp, ignore_errors=True)
             finally:
                 self._release(tmp)
+            if outcome.get("fenced"):
+                # the ranks of a stale round are often gone: say why, whatever they hear
+                with contextlib.suppress(Exception):
+                    comm.broadcast(outcome, group)
+                raise FencedError(outcome["error"])
         outcome = comm.broadcast(outcome, group)
+        if outcome.get("fenced"):
+            raise FencedError(outcome["error"])
         if outcome.get("error"):
             raise CheckpointError(f"checkpoint step {job['step']} was not saved: "
                                   f"{outcome['error']}")
@@ -307,61 +326,14 @@ class Checkpointer:
 
     def _commit(self, job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
                 final: str) -> dict[str, Any]:
-        errors = [r["error"] for r in reports if r.get("error")]
+        errors = [job["error"]] if job.get("error") else []
+        errors += [r["error"] for r in reports if r.get("error")]
         if errors:
             raise RuntimeError("; ".join(errors))
-        files: dict[str, Any] = {}
-        indexes: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
-        for r in reports:
-            files.update(r["files"])
-            for kind in ("model", "optim"):
-                for name, desc in r["pieces"][kind].items():
-                    entry = indexes[kind].setdefault(name, {**desc["tensor"], "pieces": []})
-                    entry["pieces"].extend(desc["pieces"])
-        order = {name: i for i, name in enumerate(job["order"])}
-        indexes["model"] = dict(sorted(indexes["model"].items(),
-                                       key=lambda kv: order.get(kv[0], len(order))))
-        for kind in ("model", "optim"):
-            for name, info in indexes[kind].items():
-                check_tensor(f"{kind} pieces", name, info, files)
-        if job["optim_meta"] is not None:
-            files[OPTIM_JSON] = write_json(os.path.join(tmp, OPTIM_JSON), job["optim_meta"])
-        record: dict[str, dict[str, str]] = {}
-        for kind, name in (("model", MODEL_INDEX), ("optim", OPTIM_INDEX)):
-            if kind == "optim" and job["optim_meta"] is None:
-                continue
-            files[name] = write_json(os.path.join(tmp, name), _hf_index(indexes[kind]))
-            record[name] = {t: f"{info['dtype']}{info['shape']}"
-                            for t, info in indexes[kind].items()}
-        manifest = {
-            "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
-            "committed_at": time.time(), "world_size": job["world"],
-            "meshes": job["meshes"], "checksum": CHECKSUM, "files": files,
-            "states": {"world_size": job["world"],
-                       "files": [r["state_files"] for r in reports]},
-            TENSORS: record,
-            **job["info"],
-        }
-        write_json(os.path.join(tmp, MANIFEST), manifest)
-        fsync_dir(tmp)
-        durable("tmp folder synced")
-        if not launcher_alive():  # an orphan (its launcher was killed) never commits
-            raise CheckpointError("the launcher is gone: this run was stopped")
-        if os.path.exists(final):  # same step saved before (e.g. a resumed run): replace it
-            old = os.path.join(self.directory, f".old-{os.path.basename(final)}-"
-                                               f"{uuid.uuid4().hex[:8]}")
-            os.rename(final, old)
-            durable("moved aside")
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.directory)
-        durable("renamed")
-        replace_pointer(self.directory, LATEST, os.path.basename(final))
+        write_record(job, reports, tmp, self.generation or 0, self.rdzv_generation)
         retention = job.get("retention")
-        if retention is not None:
-            point_best(self.directory, retention)
+        commit(self.directory, job["step"], tmp, final, self.generation or 0, retention,
+               self.lock_stale_after)
         self._start_pruning(final, retention)
         return {"error": None}
 
@@ -371,10 +343,9 @@ class Checkpointer:
         if comm.rank_world()[0] != 0:
             return
         try:
-            add_record(self.directory, folder, record)
-            if retention is not None:
-                point_best(self.directory, retention)
-        except (OSError, ValueError, CheckpointError) as exc:
+            tag(self.directory, folder, record, retention, self.generation or 0,
+                self.lock_stale_after)
+        except (OSError, ValueError, CheckpointError, FencedError) as exc:
             log.warning("checkpoint: could not record %s=%s in %s (%s); it is not counted as "
                         "one of the best", record.get("name"), record.get("value"), folder, exc)
             return
@@ -429,21 +400,3 @@ def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
     for info in files.values():
         info["rank"] = rank
     return {"files": files, "pieces": described, "state_files": state_ref}
-
-
-def _hf_index(tensors: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    total = 0
-    weight_map = {}
-    for info in tensors.values():
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
-        from distrun_safetensors.files import DTYPE_SIZES
-
-        total += numel * DTYPE_SIZES[info["dtype"]]
-        info["pieces"].sort(key=lambda p: p["offsets"])
-        for p in info["pieces"]:
-            weight_map[p["key"]] = p["file"]
-    return {"metadata": {"total_size": total, "format": FORMAT, "format_version": VERSION},
-            "weight_map": weight_map,
-            "distrun": {"version": VERSION, "tensors": tensors}}

@@ -11,6 +11,10 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
 - ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
 - ``EL_SIGTERM="attempt:step:rank"``: that rank sends itself SIGTERM at the end of the step;
 - ``EL_RAISE="step:rank"``: that rank raises inside the step, in every attempt;
+- ``EL_COMMIT_PAUSE="step"``: the first time rank 0 of a 2-rank world commits the checkpoint of
+  that step, it writes ``paused.json`` (its pid, node, round) once its files are written and
+  synced (before the commit's compare-and-swap), then waits until ``go`` exists (a test
+  freezes its node meanwhile);
 - ``EL_RECORD_DIR``: every worker appends its start (attempt, rank, world size, step, cursor,
   checkpoint) to ``events.jsonl`` and the sample indices of each step to ``samples.jsonl``;
   rank 0 saves the final weights to ``final.pt``.
@@ -74,13 +78,37 @@ def distrun_register_strategies(register):
                           plugin="elastic_faults"))
 
 
+def _pause_at_commit(run, step: int) -> None:
+    """Hold the commit of ``step`` after its files are synced, until the test says go."""
+    from distrun_safetensors.files import observe_durable
+
+    folder = os.environ["EL_RECORD_DIR"]
+
+    def hold(what: str) -> None:
+        marker = os.path.join(folder, "paused.json")
+        if what != "tmp folder synced" or run.progress.step != step or os.path.exists(marker):
+            return
+        with open(marker + ".tmp", "w") as fh:
+            json.dump({"pid": os.getpid(), "node": os.environ.get("EL_NODE", ""),
+                       "generation": run.generation, "step": step}, fh)
+        os.replace(marker + ".tmp", marker)
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.05)
+
+    observe_durable(hold)
+
+
 @hookimpl
 def distrun_on_fit_start(run):
+    pause = os.environ.get("EL_COMMIT_PAUSE", "")
+    if pause and run.rank == 0 and run.world_size == 2:
+        _pause_at_commit(run, int(pause))
     _append("events.jsonl", {
         "pid": os.getpid(), "node": os.environ.get("EL_NODE", ""), "attempt": int(_attempt()),
         "rank": run.rank, "world": run.world_size, "step": run.progress.step,
         "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler is not None else None,
         "resumed_from": run.resumed_from, "master_addr": os.environ.get("MASTER_ADDR"),
+        "generation": run.generation,
     })
 
 

@@ -12,7 +12,8 @@ import time
 
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "DISTRUN_CONFIG")
+        "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "DISTRUN_CONFIG",
+        "DISTRUN_RDZV_GENERATION")
 env = {k: os.environ.get(k) for k in KEYS}
 print("ENV " + json.dumps(env), flush=True)
 if os.environ.get("FAIL_FIRST") and env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["RANK"] == "1":

@@ -128,6 +128,9 @@ def test_torchrun_script_gets_torchruns_environment_and_is_restarted(tmp_path):
     # Each attempt's rendezvous picks its own store port.
     ports = {e["TORCHELASTIC_RESTART_COUNT"]: e["MASTER_PORT"] for e in envs}
     assert ports["0"] != ports["1"]
+    # ... and is a new round: its generation (run.generation) is one more, on every rank
+    rounds = {(e["TORCHELASTIC_RESTART_COUNT"], e["DISTRUN_RDZV_GENERATION"]) for e in envs}
+    assert rounds == {("0", "1"), ("1", "2")}, envs
 
 
 #: the first attempt fails; the restarted one holds while the test lists the sockets

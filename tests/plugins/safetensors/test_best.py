@@ -30,7 +30,8 @@ def test_top_k_on_two_ranks_keep_last_resume_and_resume_best(tmp_path):
     results = run_on_ranks(rank_best, 2, str(tmp_path), init_process_group=True, timeout=240)
     for name in ("a", "c"):
         ckpts = tmp_path / name / "checkpoints"
-        assert sorted(os.listdir(ckpts)) == ["best", "latest", "step-4", "step-5", "step-8"], name
+        assert sorted(os.listdir(ckpts)) == [".generation", "best", "latest", "step-4", "step-5",
+                                            "step-8"], name
         assert (ckpts / "best").read_text() == "step-4\n"
         assert (ckpts / "latest").read_text() == "step-8\n"
         records = {s: _manifest(ckpts / f"step-{s}").get("monitor") for s in (4, 5, 8)}
@@ -41,7 +42,8 @@ def test_top_k_on_two_ranks_keep_last_resume_and_resume_best(tmp_path):
         assert _manifest(ckpts / "step-8")["reason"] == "end"
     # C stopped at step 5: steps 1 and 2 had left the top 2, step 3 (a cadence save that was
     # among the best, then fell out) was still the newest regular one for keep_last=1
-    assert results[0]["listing_c5"] == ["best", "latest", "step-3", "step-4", "step-5"]
+    assert results[0]["listing_c5"] == [".generation", "best", "latest", "step-3", "step-4",
+                                          "step-5"]
     # B started from A's best (step 4) with the weights A had after step 4, bit for bit
     for r in results:
         assert r["resumed_from"] == str(tmp_path / "a" / "checkpoints" / "step-4")
@@ -97,7 +99,7 @@ def test_max_mode_train_metric_and_a_tag_of_a_step_already_saved(tmp_path):
     assert record["name"] == "lr" and record["mode"] == "max" and record["top_k"] == 1
     # the cadence save of that step holds the record: not a folder saved for "best"
     assert _manifest(ckpts / best)["reason"] == "step"
-    assert sorted(os.listdir(ckpts)) == sorted({"best", "latest", best, "step-4"})
+    assert sorted(os.listdir(ckpts)) == sorted({".generation", "best", "latest", best, "step-4"})
     assert run.progress.step == 4
 
 
@@ -129,16 +131,19 @@ def test_retention_rules_and_best_fallback(tmp_path, caplog):
     _save(saver, 3, model, opt, "best", rec(0.3, 3), ret("step-3", "step-2"))
     _save(saver, 4, model, opt, "step", None, ret("step-3", "step-2"))
     _save(saver, 5, model, opt, "step", None, ret("step-3", "step-2"))
-    assert sorted(os.listdir(d)) == ["best", "latest", "step-1", "step-2", "step-3", "step-5"]
+    assert sorted(os.listdir(d)) == [".generation", "best", "latest", "step-1", "step-2", "step-3",
+                                 "step-5"]
     assert (d / "best").read_text() == "step-3\n"
     _save(saver, 6, model, opt, "best", rec(0.1, 6), ret("step-6", "step-3"))
-    assert sorted(os.listdir(d)) == ["best", "latest", "step-1", "step-3", "step-5", "step-6"]
+    assert sorted(os.listdir(d)) == [".generation", "best", "latest", "step-1", "step-3", "step-5",
+                                 "step-6"]
     assert (d / "best").read_text() == "step-6\n"
 
     # a run without --ckpt-monitor: keep_last=1 leaves the folders carrying a value alone
     plain = Checkpointer(str(d), keep_last=1)
     _save(plain, 7, model, opt)
-    assert sorted(os.listdir(d)) == ["best", "latest", "step-1", "step-3", "step-6", "step-7"]
+    assert sorted(os.listdir(d)) == [".generation", "best", "latest", "step-1", "step-3", "step-6",
+                                 "step-7"]
 
     # `best` follows the pointer; a damaged target falls back to the next best value
     fresh, fresh_opt = build("plain", seed=9)
@@ -222,4 +227,4 @@ def test_kill_at_every_point_of_a_best_save_leaves_best_loadable(tmp_path, tag):
     else:
         raise AssertionError("the save never completed without a kill")
     assert len(loaded) >= 10 and loaded[0] == 1 and loaded[-1] == 2, loaded
-    assert sorted(os.listdir(directory)) == ["best", "latest", "step-2"]
+    assert sorted(os.listdir(directory)) == [".generation", "best", "latest", "step-2"]

@@ -115,13 +115,13 @@ def test_leftovers_of_a_killed_save_go_at_the_next_start_but_a_live_save_stays(t
         assert sorted(removed) == sorted(os.path.join(directory, n) for n in stale
                                          if not n.endswith(".lock"))
         left = sorted(os.listdir(directory))
-        assert left == [".tmp-step-9-live0000", ".tmp-step-9-live0000.lock"], left
+        assert left == [".generation", ".tmp-step-9-live0000", ".tmp-step-9-live0000.lock"], left
     finally:
         release.set()
         live.join(60)
     # its writer gone too, the next sweep takes the live one's folder as well
     assert sweep_stale(directory) == [os.path.join(directory, ".tmp-step-9-live0000")]
-    assert os.listdir(directory) == []
+    assert os.listdir(directory) == [".generation"]  # the newest generation drawn (fencing)
 
 
 def _foreign_leftover(directory: str, name: str, age: float) -> str:
@@ -184,14 +184,14 @@ def test_ls_shows_a_killed_save_as_abandoned_and_clean_removes_only_those(cli, t
         assert lines[5] == f"(`distrun ckpt clean {directory}` removes the abandoned saves)"
         dry = cli("ckpt", "clean", directory, "--timeout", "600", "--dry-run")
         assert dry.returncode == 0 and "would remove 2 abandoned save(s), kept 2" in dry.stdout
-        assert len(os.listdir(directory)) == 10  # nothing removed
+        assert len(os.listdir(directory)) == 11  # nothing removed
         cleaned = cli("ckpt", "clean", directory, "--timeout", "600")
         assert cleaned.returncode == 0, cleaned
         assert f"removed {killed_dir}: pid {child.pid} on this host is gone" in cleaned.stdout
         assert cleaned.stdout.splitlines()[-1] == (
             f"{directory}: removed 2 abandoned save(s), kept 2 in progress")
         assert sorted(os.listdir(directory)) == [
-            ".tmp-step-5-0000bbbb", ".tmp-step-5-0000bbbb.lock", ".tmp-step-9-live0000",
+            ".generation", ".tmp-step-5-0000bbbb", ".tmp-step-5-0000bbbb.lock", ".tmp-step-9-live0000",
             ".tmp-step-9-live0000.lock", "latest", "step-1"]
     finally:
         release.set()
@@ -200,7 +200,7 @@ def test_ls_shows_a_killed_save_as_abandoned_and_clean_removes_only_those(cli, t
     cleaned = cli("ckpt", "clean", directory)
     assert "removed .tmp-step-9-live0000" in cleaned.stdout, cleaned
     assert sorted(os.listdir(directory)) == [
-        ".tmp-step-5-0000bbbb", ".tmp-step-5-0000bbbb.lock", "latest", "step-1"]
+        ".generation", ".tmp-step-5-0000bbbb", ".tmp-step-5-0000bbbb.lock", "latest", "step-1"]
     assert cli("ckpt", "verify", directory).returncode == 0  # the checkpoint is untouched
 
 

@@ -106,7 +106,7 @@ def test_keep_last_prunes_only_after_commit_and_cleans_leftovers(tmp_path):
     stale.mkdir()
     _, _, paths = _saved(tmp_path, steps=(1, 2, 3, 4), keep_last=2)
     left = sorted(os.listdir(tmp_path / "ckpt"))
-    assert left == ["latest", "step-3", "step-4"]
+    assert left == [".generation", "latest", "step-3", "step-4"]
     assert (tmp_path / "ckpt/latest").read_text().strip() == "step-4"
 
 

@@ -71,7 +71,7 @@ def test_resume_is_bit_identical_and_resumes_elsewhere_at_the_same_sample(tmp_pa
         [r["async_ok"] for r in results]
     # async cadence: steps 2, 4, 6 and the end (7); keep_last=2 leaves the two newest
     ckpts = sorted(os.listdir(tmp_path / "async" / "checkpoints"))
-    assert ckpts == ["latest", "step-6", "step-7"], ckpts
+    assert ckpts == [".generation", "latest", "step-6", "step-7"], ckpts
 
     # another world size: the 2-rank checkpoint of step 5 in one process continues from
     # global sample 5 * 8 = 40 of epoch 0 (the sampler cursor), with step 5's weights
@@ -104,6 +104,6 @@ def test_time_cadence_and_on_demand_save_in_one_process(tmp_path):
     run = _fit(strategy="single", run_dir=str(tmp_path / "t"), max_steps=3,
                ckpt_every_n_seconds=1e-9, ckpt_keep_last=0)
     ckpts = tmp_path / "t" / "checkpoints"
-    assert sorted(os.listdir(ckpts)) == ["latest", "step-1", "step-2", "step-3"]
+    assert sorted(os.listdir(ckpts)) == [".generation", "latest", "step-1", "step-2", "step-3"]
     # on demand at a step already saved: the committed folder, not a second write
     assert run.save_checkpoint("user") == str(ckpts / "step-3")
