@@ -22,6 +22,7 @@ import os
 import socket
 from collections.abc import Mapping
 
+from distrun.launch.ports import bind_error
 from distrun.spec.errors import UsageError
 
 __all__ = ["BIND_ENV", "LOOPBACK", "STORE_FD_ENV", "bind_address", "interface_of",
@@ -129,7 +130,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
-        raise UsageError(f"port {port} on {host} is in use (pick another --master-port, or 0 "
-                         f"for a free one): {exc.strerror}") from None
+        raise bind_error(host, port, exc) from None
     sock.set_inheritable(True)
     return sock
