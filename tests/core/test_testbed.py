@@ -233,7 +233,7 @@ def test_down_removes_everything_also_after_a_failure_inside(tmp_path):
         assert all(os.path.exists(os.path.join(NETNS_DIR, n)) for n in names)
         raise RuntimeError("boom")
     assert sleeper.poll() == -signal.SIGKILL
-    assert not set(names) & set(names_in(NETNS_DIR)) | set(names_in(ETC_NETNS))
+    assert not set(names) & (set(names_in(NETNS_DIR)) | set(names_in(ETC_NETNS)))
     assert leftovers() == []
 
 
