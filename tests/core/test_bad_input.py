@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.addresses import interface_addresses
+from distrun.launch.binding import interface_addresses
 from distrun.testing import run_cli
 
 TASK = """

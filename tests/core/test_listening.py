@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from distrun.spec.errors import UsageError
 from distrun.testing.sockets import HOLD_SCRIPT, listeners_of_held_run
 
 #: a Task: its first step waits until the test has looked
@@ -91,6 +92,16 @@ def test_the_bind_address_is_decided_in_one_place():
 
     assert bind_address(1) == bind_address(1, "localhost") == "127.0.0.1"
     assert bind_address(1, "::1") == "::1"
-    # every node on this machine: loopback; across machines: torch's default, for now
+    # every node on this machine: loopback; across machines: this host's address toward
+    # rank 0's (a routing lookup), or --local-addr; never every interface
     assert bind_address(2, "127.0.0.1") == "127.0.0.1"
-    assert bind_address(2, "10.0.0.1") is None and bind_address(2, "head-node") is None
+    assert bind_address(2, "127.0.0.1", local_addr="127.0.0.1") == "127.0.0.1"
+    from distrun.launch.binding import interface_addresses, route_source
+
+    source = route_source("10.0.0.1")
+    if source is None:  # no route from here: one line, not torch's every interface
+        with pytest.raises(UsageError, match="is not reachable from this host"):
+            bind_address(2, "10.0.0.1")
+    else:
+        assert bind_address(2, "10.0.0.1") == source
+        assert source in interface_addresses().values()

@@ -8,8 +8,10 @@ two machines, the run folder on storage both hosts see. Checked against one host
   losses and the same checkpoint tensors as 1 host x 4 processes (same seed, same global
   batch). The ranks and the reduction order are the same, so the tolerance is zero: bit for
   bit. The fast lane keeps digits under ddp.
-- a host whose own name resolves to 127.0.1.1 (the classic hang at init) is refused in one line
-  naming ``--local-addr``, and runs with it (static and c10d rendezvous);
+- a host whose own name resolves to 127.0.1.1 (the classic hang at init) runs: it announces its
+  address toward rank 0's host, or ``--local-addr`` (static and c10d rendezvous);
+- every listening socket of a run, in every host, is on that host's address or its loopback,
+  never on every interface (static and c10d rendezvous);
 - the device-map backend forms (``cpu:gloo``; ``cpu:gloo,cuda:nccl`` where torch has NCCL and a
   GPU) work across hosts as gloo does.
 """
@@ -21,6 +23,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,23 +141,18 @@ dist.destroy_process_group()
 """
 
 
-def test_a_host_named_after_loopback_is_refused_in_one_line(distrun_hosts, tmp_path):
+def test_a_host_named_after_loopback_runs_without_local_addr(distrun_hosts, tmp_path):
     """Its gloo would announce 127.0.1.1 and the other node would wait for it until the
-    timeout: refused before any worker starts, the fix named."""
+    timeout (the classic hang at init): distrun announces the address that reaches rank 0's
+    host instead. A --local-addr that is not this host's is one line."""
     bed = distrun_hosts([HostSpec(), HostSpec(own_name="loopback")])
     (tmp_path / "sum.py").write_text(SUM)
-    refused = ("error: this host's name 'host1' resolves to 127.0.1.1 (the loopback), so the "
-               "other nodes could not reach its ranks and the run would hang at init: pass "
-               "--local-addr 198.18.0.2 (this node's address on the network the nodes share), "
-               "or map host1 to it in /etc/hosts")
-    static = _static(bed, 1)(bed[1])
-    elastic = ["--nnodes", "2", "--rdzv-endpoint", "198.18.0.1:29400", "--rdzv-id", "j"]
-    for args in (static, elastic):
-        proc = bed[1].run([sys.executable, "-m", "distrun", "run", *args, "sum.py"],
-                          env=_env(), cwd=tmp_path, timeout=120)
-        assert proc.returncode == 2 and proc.stdout == "", proc
-        assert proc.stderr.splitlines() == [refused]
-    bad = bed[1].run([sys.executable, "-m", "distrun", "run", *static, "--local-addr",
+    static = _static(bed, 1)
+    for code, out in _launch(bed, [[*static(h), "sum.py"] for h in bed], tmp_path,
+                             timeout=240):
+        assert code == 0, out
+        assert "sum 1.0 on" in out, out
+    bad = bed[1].run([sys.executable, "-m", "distrun", "run", *static(bed[1]), "--local-addr",
                       "198.18.0.1", "sum.py"], env=_env(), cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "error: --local-addr 198.18.0.1: it is not an address of this host (its addresses: "
@@ -205,3 +203,55 @@ def test_a_device_map_backend_works_across_hosts_as_gloo_does(distrun_hosts, tmp
         with open(run_dir / "metrics.csv") as fh:
             losses[backend] = [row["loss"] for row in csv.DictReader(fh) if row["loss"]]
     assert len(losses["gloo"]) == 4 and losses[device_map] == losses["gloo"]
+
+
+PAUSE = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+t = torch.ones(1)
+dist.all_reduce(t)
+open(os.path.join(sys.argv[1], f"up{dist.get_rank()}"), "w").close()
+while not os.path.exists(os.path.join(sys.argv[1], "done")):
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("rendezvous", ["static", pytest.param("c10d", marks=pytest.mark.slow)])
+def test_every_server_of_a_multihost_run_listens_on_its_hosts_address(distrun_hosts, tmp_path,
+                                                                      rendezvous):
+    """`ss -ltnp` in each host while a 2 x 2 run holds its sockets: the store, the elastic
+    rendezvous and attempt stores, gloo's pairs all on 198.18.0.K (or the loopback), none on
+    every interface. Host 1 also has a second network (198.19.0.0/24) that nothing may use."""
+    bed = distrun_hosts([HostSpec(), HostSpec(second_net=True)])
+    (tmp_path / "pause.py").write_text(PAUSE)
+    static = _static(bed, 2)
+    c10d = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "198.18.0.1:29400",
+            "--rdzv-id", "j", "--max-restarts", "1"]
+    logs, procs = [], []
+    for host in bed:
+        args = [*(static(host) if rendezvous == "static" else c10d), "pause.py", str(tmp_path)]
+        logs.append(tmp_path / f"node{host.index}.log")
+        with open(logs[-1], "w") as fh:
+            procs.append(host.popen([sys.executable, "-m", "distrun", "run", *args],
+                                    env=_env(), cwd=tmp_path, stdout=fh,
+                                    stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"up{r}").exists() for r in range(4)):
+            for proc, log in zip(procs, logs):
+                assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        seen = {host.index: host.listening() for host in bed}
+    finally:
+        (tmp_path / "done").touch()
+    for proc, log in zip(procs, logs):
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    for host in bed:
+        ours = [s for s in seen[host.index] if s.processes]
+        assert ours, f"{host.name}: no listening socket seen"
+        wrong = [s for s in ours if s.address not in (host.address, "127.0.0.1", "::1")]
+        assert not wrong, f"{host.name} listens beyond {host.address}: {wrong}"

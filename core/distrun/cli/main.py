@@ -198,11 +198,11 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
     config = resolve_config(options, flags=flags, config_file=config_file)
     config = apply_cluster_env(pm, config, dict(os.environ))
-    from distrun.launch.addresses import local_interface
+    from distrun.launch.binding import addresses_of
     from distrun.launch.local import resolve_nproc
 
     if config.local_addr:
-        local_interface(config.local_addr)  # one line when no interface here has it
+        addresses_of(config.local_addr, "--local-addr")  # one line when this host has not it
 
     if config.standalone and config.nnodes not in ("1", "1:1"):
         raise UsageError(f"--standalone runs on one node but --nnodes is {config.nnodes} "
@@ -277,7 +277,9 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
-    environ[RUN_KEY_ENV] = new_run_key()  # every process of this run, restarts included
+    # every process of this run, restarts included; on several nodes, the same on each node
+    environ[RUN_KEY_ENV] = new_run_key() if config.nnodes in ("1", "1:1") else \
+        new_run_key(config.name, config.master_addr, config.master_port)
     blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
     if blocked:
         environ[BLOCK_ENV] = ",".join(blocked)

@@ -9,10 +9,16 @@ socket itself (:func:`listen_socket`): torch's TCPStore takes no bind address, o
 already bound (``master_listen_fd``), which the worker that hosts the store receives as
 :data:`STORE_FD_ENV` (:mod:`distrun.train.store_host`).
 
-One node: 127.0.0.1 (or the address ``--master-addr`` gives). Several nodes: loopback when
-rank 0's address is loopback (every node is on this machine), else ``None`` for now, which keeps
-torch's own behaviour (its stores listen on every interface, gloo on the address the host name
-resolves to); binding the address the user gave there is a change of this one function.
+One node: 127.0.0.1 (or the address ``--master-addr`` gives). Several nodes: this node's
+address on the network the nodes share: ``--local-addr`` when given, else the address of this
+host that traffic to rank 0's host (``--master-addr``, the ``--rdzv-endpoint`` host) leaves
+from, a routing lookup (loopback when rank 0's address is a loopback one: every node is on
+this machine). That address is also the one the node announces: gloo takes its interface
+(``GLOO_SOCKET_IFNAME``), and torch's c10d rendezvous its address (``local_addr``). So a host
+whose own name resolves to 127.0.1.1 (Debian's installer writes that line into /etc/hosts),
+which gloo would otherwise announce, and which no other node reaches, runs as any other: the
+classic multi-node hang at init does not happen. ``--local-addr`` (torchrun's flag) chooses
+another address; it must be one of this host's.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from collections.abc import Mapping
 from distrun.launch.ports import bind_error
 from distrun.spec.errors import UsageError
 
-__all__ = ["BIND_ENV", "LOOPBACK", "STORE_FD_ENV", "bind_address", "interface_of",
-           "listen_socket", "loopback_interface", "server_env"]
+__all__ = ["BIND_ENV", "LOOPBACK", "STORE_FD_ENV", "addresses_of", "bind_address",
+           "interface_addresses", "interface_of", "listen_socket", "loopback_interface",
+           "resolve", "route_source", "server_env"]
 
 LOOPBACK = "127.0.0.1"
 #: the address a worker's own servers bind (unset: torch's defaults)
@@ -39,29 +46,86 @@ _IFF_LOOPBACK = 0x8
 _SIOCGIFADDR = 0x8915
 
 
-def bind_address(nnodes: int, master_addr: str = LOOPBACK) -> str | None:
-    """The address every server of a run of ``nnodes`` nodes binds (None: torch's default).
-
-    One node: the loopback address, or the address ``--master-addr`` names when the user gave
-    another one (never every interface). Several nodes: the loopback address when rank 0's is
-    one (they all run on this machine), else None for now.
-    """
+def bind_address(nnodes: int, master_addr: str = LOOPBACK, local_addr: str = "") -> str:
+    """The address this node's servers bind and announce, in a run of ``nnodes`` nodes whose
+    rank 0 is at ``master_addr`` (see the module docstring); a one-line :class:`UsageError`
+    when there is none."""
+    if local_addr:
+        return addresses_of(local_addr, "--local-addr")
     if master_addr in ("", "localhost"):
         return LOOPBACK
-    if nnodes != 1:
-        try:
-            return master_addr if ipaddress.ip_address(master_addr).is_loopback else None
-        except ValueError:
-            return None
+    if nnodes == 1:
+        return addresses_of(master_addr, "--master-addr")
+    master = resolve(master_addr)
+    if master is None:
+        raise UsageError(f"{master_addr} (rank 0's host) does not resolve on this host: give "
+                         "its address (--master-addr, or the --rdzv-endpoint host)")
+    if ipaddress.ip_address(master).is_loopback:
+        return master  # every node on this machine
+    source = route_source(master)
+    if source is None:
+        raise UsageError(f"rank 0's host {master_addr} ({master}) is not reachable from this "
+                         "host (no route): check the address, or give this node's address "
+                         "with --local-addr")
+    return source
+
+
+def resolve(host: str) -> str | None:
+    """``host``'s address here (an address is itself; a name its IPv4 address), None when it
+    does not resolve."""
     try:
-        return str(ipaddress.ip_address(master_addr))
+        return str(ipaddress.ip_address(host))
     except ValueError:
         pass
-    try:  # a host name: the address it names here
-        return str(socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0])
-    except (OSError, IndexError):
-        raise UsageError(f"--master-addr {master_addr} does not resolve on this machine (give "
-                         f"an address, or leave the default {LOOPBACK} on one node)") from None
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
+def addresses_of(host: str, flag: str) -> str:
+    """The address ``host`` (an address or a name) gives on this machine, which must be one of
+    this host's (or a loopback one): what a server of this node can bind."""
+    address = resolve(host)
+    if address is not None and ipaddress.ip_address(address).is_loopback:
+        return address
+    mine = interface_addresses()
+    if address is None or address not in mine.values():
+        have = ", ".join(f"{a} ({i})" for i, a in mine.items())
+        what = f"resolves to {address}, which" if address and address != host else "it"
+        if address is None:
+            what = "does not resolve here, so it"
+        raise UsageError(f"{flag} {host}: {what} is not an address of this host (its "
+                         f"addresses: {have or 'none'})")
+    return address
+
+
+def route_source(host: str) -> str | None:
+    """The address of this host that traffic to ``host`` leaves from (a routing lookup: a UDP
+    socket is connected, nothing is sent); None when ``host`` is unreachable."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_addresses() -> dict[str, str]:
+    """Each up interface's (primary) IPv4 address: ``{"lo": "127.0.0.1", "eth0": ...}``."""
+    import fcntl
+    import struct
+
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                req = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it (or it is down)
+                continue
+            out[name] = socket.inet_ntoa(req[20:24])
+    return out
 
 
 def loopback_interface() -> str:
@@ -80,24 +144,9 @@ def loopback_interface() -> str:
 
 def interface_of(address: str) -> str | None:
     """The name of the network interface that holds ``address`` (None when none here does)."""
-    ip = ipaddress.ip_address(address)
-    if ip.is_loopback:
+    if ipaddress.ip_address(address).is_loopback:
         return loopback_interface()
-    if ip.version != 4 or not hasattr(socket, "if_nameindex"):
-        return None
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                req = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
-                                  struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on it
-            if socket.inet_ntoa(req[20:24]) == address:
-                return name
-    return None
+    return next((name for name, a in interface_addresses().items() if a == address), None)
 
 
 def server_env(address: str | None, environ: Mapping[str, str]) -> dict[str, str]:

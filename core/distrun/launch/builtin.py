@@ -19,9 +19,6 @@ def distrun_detect_cluster(environ: dict[str, str]) -> ClusterEnv:
 
 @hookimpl(trylast=True)
 def distrun_launch(config: Any, command: list[str], environ: dict[str, str]) -> int:
-    from distrun.launch.addresses import node_network
     from distrun.launch.local import launch_local
 
-    environ.update(node_network(local_addr=config.local_addr, rendezvous_host=config.master_addr,
-                                multi_node=config.nnodes not in ("1", "1:1"), environ=environ))
     return launch_local(config, command, environ)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -57,8 +58,12 @@ def make_folder(path: str, what: str = "the run folder", flag: str = "--run-dir"
         raise UsageError(f"cannot make {what} {path}: {reason} (choose another {flag})") from None
 
 
-def new_run_key() -> str:
-    """A key no other run has."""
+def new_run_key(*shared: object) -> str:
+    """A key no other run has; or, given what every node of a run is given alike (its name
+    and where its nodes meet), the key every node of that run derives: the nodes of one run
+    share its folders, the lock must know them for one run."""
+    if shared:
+        return "run-" + hashlib.sha256(repr(shared).encode()).hexdigest()[:32]
     return uuid.uuid4().hex
 
 

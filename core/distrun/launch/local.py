@@ -283,7 +283,7 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str])
     addr, port = config.master_addr, config.master_port
     if nnodes > 1 and port == 0:
         raise UsageError("--master-port is required with --nnodes > 1 (every node must agree)")
-    bind = bind_address(nnodes, addr)
+    bind = bind_address(nnodes, addr, config.local_addr)
     store = _store_socket(config, bind, port) if config.node_rank == 0 else None
     if store is not None:
         port = store.getsockname()[1]

@@ -25,6 +25,7 @@ the workers' gloo sockets follow ``GLOO_SOCKET_IFNAME``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -46,12 +47,12 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from distrun.launch.binding import listen_socket, server_env
+from distrun.launch.binding import interface_addresses, listen_socket, resolve, server_env
 from distrun.launch.exits import ExitWatch, exit_code
 from distrun.launch.generation import GENERATION_ENV
 from distrun.launch.lifeline import LAUNCHER_PID_ENV
 from distrun.launch.relay import report_failure
-from distrun.spec.errors import DistrunError
+from distrun.spec.errors import DistrunError, UsageError
 from distrun.train.run import EXIT_REQUEUE
 from distrun.train.store_host import serve_store
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
@@ -117,7 +118,9 @@ class DistrunAgent(LocalElasticAgent):
         self.lost_peers: list[LostPeer] = []
         self.restarts = 0
         self.host_store = host_store
-        self._store: Any = None
+        #: the store this agent serves the current attempt's workers (torch's own ``_store`` is the
+        #: rendezvous store, which its exit barrier uses: not to be confused)
+        self._attempt_store: Any = None
         self.liveness: Liveness | None = None
         #: seconds of failed store calls that cut this node off (None: not cut off)
         self.cut_off_after: float | None = None
@@ -156,18 +159,15 @@ class DistrunAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         self.root_cause = None
         self.lost_peers = []
-        if self.host_store:
-            # One node: this agent serves each attempt's workers a new store, already listening
+        self._attempt_store = None  # the previous attempt's server closes with its last reference
+        if self.host_store and worker_group.group_rank == 0:
+            # The agent of the round's node 0 serves each attempt's workers a new store, on its
+            # address only (torch's own TCPStore binds every interface) and already listening
             # on the port rendezvous picked, so no worker waits out a connect backoff for rank 0
             # to start one, and no key of an earlier attempt survives (pytorch#167288).
-            self._store = None  # the previous attempt's server closes with its last reference
             addr, port = worker_group.master_addr, worker_group.master_port
-            if self.bind is None:
-                from torch.distributed import TCPStore
-
-                self._store = TCPStore(addr, port, is_master=True, wait_for_workers=False)
-            else:  # on the run's address only (torch's own TCPStore binds every interface)
-                self._store = serve_store(listen_socket(self.bind, port), addr, shared=False)
+            self._attempt_store = serve_store(listen_socket(self.bind or addr, port), addr,
+                                              shared=False)
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
@@ -305,13 +305,29 @@ def _workers_use_agent_store(handler: Any) -> None:
 
 
 def _serve_rendezvous_store(plan: ElasticPlan) -> str:
-    """The rendezvous endpoint, its store served here on the run's address (one node).
+    """The rendezvous endpoint, its store served here on the endpoint's address, when this
+    node is the one at ``--rdzv-endpoint`` (every node of a single-node run is).
 
     torch's c10d and static rendezvous make a multi-tenant TCPStore on the endpoint's port: on
-    the socket bound here they find this server instead of binding every interface.
+    the socket bound here they find this server instead of binding every interface. Elsewhere
+    (another host serves it; or, on one machine, another launcher got the port first without
+    ``is_host`` said) the endpoint is left to torch, which connects as a client.
     """
     host, port = parse_rendezvous_endpoint(plan.rdzv_endpoint, default_port=29400)
-    sock = listen_socket(plan.bind_address or host, port)
+    said = plan.rdzv_configs.get("is_host")
+    if said is not None and said.strip().lower() not in ("1", "true", "t", "yes", "y", "on"):
+        return plan.rdzv_endpoint
+    address = resolve(host)
+    if plan.max_nodes > 1 and (address is None or not (
+            ipaddress.ip_address(address).is_loopback
+            or address in interface_addresses().values())):
+        return plan.rdzv_endpoint  # the store's host is another one
+    try:
+        sock = listen_socket(plan.bind_address if plan.max_nodes == 1 else address, port)
+    except UsageError:
+        if said is not None or plan.max_nodes == 1:
+            raise
+        return plan.rdzv_endpoint  # another launcher on this machine serves it
     port = sock.getsockname()[1]
     serve_store(sock, host)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -354,7 +370,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         _skip_join_skew()
     configs = {"timeout": 900, **rendezvous_defaults(plan), **plan.rdzv_configs}
     endpoint = plan.rdzv_endpoint
-    if plan.max_nodes == 1 and plan.bind_address and plan.rdzv_backend in ("c10d", "static"):
+    if plan.rdzv_backend in ("c10d", "static"):
         endpoint = _serve_rendezvous_store(plan)
     params = RendezvousParameters(
         backend=plan.rdzv_backend, endpoint=endpoint, run_id=plan.run_id,
@@ -375,7 +391,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         monitor_interval=plan.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=plan.local_addr,
     )
-    host_store = plan.max_nodes == 1 and plan.rdzv_backend == "c10d"
+    host_store = plan.rdzv_backend == "c10d"
     if host_store:
         _workers_use_agent_store(handler)
     relay = Relay(tee=plan.tee)

@@ -38,18 +38,12 @@ def distrun_register_options(register):
 
 @hookimpl(tryfirst=True)
 def distrun_launch(config, command, environ):
-    from distrun_elastic.settings import make_plan, split_endpoint, wants_elastic
+    from distrun_elastic.settings import make_plan, wants_elastic
 
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
-    from distrun.launch.addresses import node_network
     from distrun.launch.local import warn_oversubscribed
-
-    # gloo's interface for --local-addr; a host name the other nodes cannot use is refused
-    environ.update(node_network(local_addr=config.local_addr,
-                                rendezvous_host=split_endpoint(plan.rdzv_endpoint)[0],
-                                multi_node=plan.max_nodes > 1, environ=environ))
     from distrun_elastic.agent import launch_elastic
 
     warn_oversubscribed(plan.nproc_per_node)

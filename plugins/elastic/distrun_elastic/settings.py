@@ -5,11 +5,12 @@ The choices made here:
 - the plugin answers ``distrun_launch`` when the config asks for elasticity: ``--max-restarts``
   above 0, a node range ``--nnodes MIN:MAX``, a rendezvous endpoint or ``--rdzv-conf``;
 - a single-node run rendezvous on ``127.0.0.1`` (a free port), and so does a run whose endpoint
-  is a loopback address; otherwise torch announces ``--local-addr``, or this host's name (one
-  that resolves to no usable address of this host is refused at launch:
-  :func:`distrun.launch.addresses.node_network`);
-- a single-node run's stores (the rendezvous store and each attempt's) and gloo listen on the
-  address :func:`distrun.launch.binding.bind_address` gives (127.0.0.1), never every interface;
+  is a loopback address;
+- every server of the node (the rendezvous store on the endpoint's host, each attempt's store on
+  the round's node 0, gloo) listens on the address :func:`distrun.launch.binding.bind_address`
+  gives, never every interface: 127.0.0.1 on one node, else this node's address toward the
+  endpoint's host (or ``--local-addr``), which torch's rendezvous also announces for the node
+  (never the host name, which may resolve to the loopback);
 - every start of the workers, first or restarted, resumes from the newest valid checkpoint: the
   launcher writes ``resume = "auto"`` into the values workers inherit (unless the user chose
   ``--resume`` themselves). Workers never look at ``TORCHELASTIC_RESTART_COUNT``: it counts the
@@ -20,7 +21,6 @@ The choices made here:
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import uuid
@@ -29,6 +29,7 @@ from typing import Any
 
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
 from distrun.launch.binding import bind_address
+from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
 from distrun.launch.ports import free_port
 from distrun.spec.errors import UsageError
 
@@ -98,15 +99,6 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
     return out
 
 
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def split_endpoint(endpoint: str) -> tuple[str, str]:
     """``"host:port"`` (or ``"[v6]:port"``) -> (host, port)."""
     host, sep, port = endpoint.rpartition(":")
@@ -148,12 +140,6 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
                 "node can reach (the node at HOST hosts the rendezvous)"
             )
         endpoint = "127.0.0.1:0"
-    host, _ = split_endpoint(endpoint)
-    # where this node's servers listen; on one node it is also the address workers meet at
-    bind = bind_address(hi, host)
-    # --local-addr is what torch announces for this node, else its host name (checked at launch)
-    local_addr = config.local_addr or (bind if hi == 1 or _is_loopback(host) else None)
-
     explicit_name = not _is_default_name(config)
     run_id = config.rdzv_id or (config.name if explicit_name else "")
     if not run_id:
@@ -171,6 +157,14 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     if updates:
         config = with_values(config, source="elastic", **updates)
     environ[CONFIG_ENV] = config.to_json()
+    if hi > 1:  # the nodes of one run share its folders: one key for their locks
+        environ[RUN_KEY_ENV] = new_run_key(run_id, endpoint)
+    host, _ = split_endpoint(endpoint)
+    # where this node's servers listen; on one node it is also the address workers meet at
+    bind = bind_address(hi, host, config.local_addr)
+    # the address torch announces for this node: where its servers listen (never its host
+    # name, which may resolve to the loopback)
+    local_addr = bind
     plan = ElasticPlan(
         min_nodes=lo, max_nodes=hi, nproc_per_node=resolve_nproc(config.nproc_per_node),
         max_restarts=config.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,

@@ -23,7 +23,6 @@ from typing import IO, Any
 
 from distrun import UsageError
 from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.launch.binding import bind_address
 from distrun.launch.exits import exit_code
 from distrun.launch.local import STOP_GRACE, torchrun_env
 from distrun.launch.relay import Relay, new_tail, report_failure
@@ -183,8 +182,8 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             pg, ranks = _place(ray, config, n)
             master_ip = ranks[0].ip
             nnodes = len({r.node_rank for r in ranks})
-            bind = bind_address(nnodes, master_ip)  # one node: its address, never every one
-            port = ray.get(ranks[0].actor.store_port.remote(bind), timeout=60)
+            # every server on its node's address as Ray knows it, never every interface
+            port = ray.get(ranks[0].actor.store_port.remote(master_ip), timeout=60)
             cfg = config if attempt == 0 or config.resume != "never" else \
                 with_values(config, resume="auto")
             log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
@@ -202,7 +201,7 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                 env.setdefault("PYTHONUNBUFFERED", "1")
                 if log_dir:
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
-                starts.append(r.actor.start.remote(command, env, os.getcwd(), bind))
+                starts.append(r.actor.start.remote(command, env, os.getcwd(), r.ip))
             ray.get(starts, timeout=120)
             failed = _run_group(ray, ranks, stop, config.tee)
             _release(ray, ranks, pg, remove_placement_group)

@@ -139,7 +139,11 @@ def test_a_frozen_node_comes_back_fenced_and_latest_never_moves_back(tmp_path):
     rows = list(csv.DictReader((tmp_path / "runs" / "fence" / "metrics.csv").open()))
     kinds = [(r["step"], bool(r["loss"])) for r in rows]
     assert len(kinds) == len(set(kinds)), rows
-    assert [int(s) for s, train_row in kinds if train_row] == list(range(2, 37, 2))
+    trained = [int(s) for s, train_row in kinds if train_row]
+    # a row every 2 steps, and one more where the rejoining node's scale-up stopped the
+    # workers between two (they save and log the step they stop at)
+    assert trained == sorted(set(trained)) and set(range(2, 37, 2)) <= set(trained), trained
+    assert trained[-1] == 36 and len(trained) <= 18 + 2, trained
     rolled = sorted(s for s in rows_before if s > 6)  # logged by the frozen node's rank 0
     assert rolled, rows_before
     which = f"step {rolled[0]}" if rolled[0] == rolled[-1] else f"steps {rolled[0]} to {rolled[-1]}"

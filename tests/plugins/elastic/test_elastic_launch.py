@@ -65,14 +65,20 @@ def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
     from distrun_elastic.settings import make_plan
 
     environ: dict[str, str] = {}
-    plan, config = make_plan(config_of(nnodes="1:4", rdzv_endpoint="10.1.2.3:29400",
+    plan, config = make_plan(config_of(nnodes="1:4", rdzv_endpoint="127.0.0.2:29400",
                                        rdzv_id="job7", rdzv_conf="last_call_timeout=5"), environ)
     assert plan.run_id == "job7" and config.name == "job7"
     assert config.run_dir == os.path.join("runs", "job7")
-    assert plan.local_addr is None  # a real address: torch uses this host's name
+    # this node's address toward the rendezvous host (never its host name, which may resolve
+    # to the loopback), where its servers listen too: all nodes on this machine here
+    assert plan.local_addr == plan.bind_address == "127.0.0.2"
+    # the nodes of one run share one key for their folder locks
+    from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
+
+    assert environ[RUN_KEY_ENV] == new_run_key("job7", "127.0.0.2:29400")
     assert plan.rdzv_configs == {"last_call_timeout": "5"}
     # A name the user chose wins over the rendezvous id.
-    _, named = make_plan(config_of(nnodes="1:4", rdzv_endpoint="h:1", rdzv_id="job7",
+    _, named = make_plan(config_of(nnodes="1:4", rdzv_endpoint="127.0.0.1:1", rdzv_id="job7",
                                    name="mine"), {})
     assert named.name == "mine"
 
