@@ -98,13 +98,19 @@ def _same_samples(rec: Path, reference: Path) -> None:
         assert len(set(trained[step])) == len(trained[step]), f"step {step} repeats a sample"
 
 
-def _final_loss(run_dir: Path) -> float:
-    from distrun.loggers.csv_file import read_metrics
+def _fit(rec: Path) -> float:
+    """Mean squared error of the run's final weights over all 256 samples, dropout off."""
+    import torch
+    from elastic_helpers import final_weights
+    from elastic_task import ElasticTask
 
-    rows = [r for r in read_metrics(str(run_dir / "metrics.csv")) if "loss" in r]
-    steps = [int(r["step"]) for r in rows]
-    assert len(steps) == len(set(steps)), f"metrics.csv repeats a step: {steps}"
-    return rows[-1]["loss"]
+    task = ElasticTask()
+    model = task.configure_model()
+    model.load_state_dict(final_weights(rec))
+    model.eval()
+    x, y, _ = task.data.tensors
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y).item()
 
 
 def test_a_killed_host_is_left_behind_and_rejoins_without_spending_a_restart(distrun_hosts,
@@ -136,8 +142,10 @@ def test_a_killed_host_is_left_behind_and_rejoins_without_spending_a_restart(dis
     assert alone[0]["node"] == "host0" and alone[0]["resumed_from"]
     assert alone[0]["epoch"] * 256 + alone[0]["cursor"] == alone[0]["step"] * 16
     _same_samples(rec, reference)
-    loss, want = _final_loss(tmp_path / "runs" / "job"), _final_loss(tmp_path / "runs" / "ref")
-    assert abs(loss - want) <= 0.1 * want, (loss, want)  # dropout draws differ by world size
+    # Same samples in the same steps; only the dropout draws differ with the world size, so
+    # the fit over the whole set (not one noisy 16-sample batch) matches the reference's.
+    fit, want = _fit(rec), _fit(reference)
+    assert abs(fit - want) <= 0.05 * want, (fit, want)
 
 
 @pytest.mark.slow
