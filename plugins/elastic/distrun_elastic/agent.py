@@ -70,6 +70,8 @@ _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 #: the signal the heartbeat thread sends the agent's main thread when the store is lost
 _WAKE = signal.SIGUSR2
+#: seconds the main thread gets to unwind after that signal before the process ends without it
+UNWIND_GRACE = 2.0
 
 
 def _say(message: str) -> None:
@@ -124,6 +126,9 @@ class DistrunAgent(LocalElasticAgent):
         self.liveness: Liveness | None = None
         #: seconds of failed store calls that cut this node off (None: not cut off)
         self.cut_off_after: float | None = None
+        #: set by the main thread once the cut-off signal reached it
+        self.unwound = threading.Event()
+        self._ending = threading.Lock()
         self._rounds = 0
 
     def _rendezvous(self, worker_group: Any) -> None:
@@ -145,11 +150,29 @@ class DistrunAgent(LocalElasticAgent):
             _say(f"re-formed at {world} rank{'s' * (world != 1)} on {nodes} "
                  f"host{'s' * (nodes != 1)}")
 
+    def claim_end(self) -> bool:
+        """True for the first caller only: the one that says how this node ended."""
+        return self._ending.acquire(blocking=False)
+
     def _cut_off(self, silent: float) -> None:
-        """From the heartbeat thread: stop the workers, then interrupt the main thread."""
+        """From the heartbeat thread: stop the workers, then interrupt the main thread; end the
+        process from here if the main thread does not unwind.
+
+        The main thread is often inside one of torch's store calls that never returns once the
+        store is unreachable: ``TCPStore.get`` gives up its wait after ``read_timeout`` and then
+        reads the answer to its cancel with no timeout (``compare_set`` and ``add`` have none at
+        all), and torch's socket code retries a read that a signal interrupts, so the signal's
+        handler never runs. The workers are stopped already: nothing is left to do but say it.
+        """
         self.cut_off_after = silent
         self._kill_workers()
         signal.pthread_kill(threading.main_thread().ident or 0, _WAKE)
+        if self.unwound.wait(UNWIND_GRACE) or not self.claim_end():
+            return
+        self.relay.close(timeout=1.0)
+        _say(str(CutOff(self.plan.rdzv_endpoint, silent)))
+        sys.stdout.flush()
+        os._exit(EXIT_REQUEUE)
 
     def stop_liveness(self) -> None:
         if self.liveness is not None:
@@ -403,6 +426,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     shutdown_rdzv = True
 
     def woken(signum: int, frame: Any) -> None:
+        agent.unwound.set()
         raise CutOff(plan.rdzv_endpoint, agent.cut_off_after or plan.heartbeat_timeout)
 
     previous = signal.signal(_WAKE, woken)
@@ -422,13 +446,15 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         return 0
     except CutOff as exc:
         shutdown_rdzv = False
-        _say(str(exc))
+        if agent.claim_end():  # else the heartbeat thread is saying it, and ending the process
+            _say(str(exc))
         return EXIT_REQUEUE
     except RendezvousConnectionError:
         # torch's own store calls gave up first (--rdzv-conf read_timeout): the same loss
         shutdown_rdzv = False
         agent._kill_workers()
-        _say(str(CutOff(plan.rdzv_endpoint)))
+        if agent.claim_end():
+            _say(str(CutOff(plan.rdzv_endpoint)))
         return EXIT_REQUEUE
     except RendezvousTimeoutError:
         join = configs.get("join_timeout", 600)

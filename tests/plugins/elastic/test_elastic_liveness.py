@@ -26,9 +26,9 @@ ONE_EACH[ONE_EACH.index("--timeout") + 1] = "300"
 HEARTBEAT = "4"
 
 
-def _pair(tmp_path, rec, **env):
+def _pair(tmp_path, rec, conf: str = "", **env):
     port = free_port()
-    conf = "is_host={}"
+    conf = ",".join(filter(None, ["is_host={}", conf]))
     common = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pair",
               "--max-restarts", "2", "--ckpt-every-n-steps", "2", "--heartbeat-timeout",
               HEARTBEAT, *ONE_EACH, TASK]
@@ -114,3 +114,26 @@ def test_the_node_cut_off_from_the_store_stops_with_one_line_and_a_retry_code(tm
     # nothing of node b is left running
     assert not [e for e in records(rec, "events.jsonl") if e["node"] == "b"
                 and pid_alive(e["pid"])]
+
+
+@pytest.mark.slow
+def test_a_cut_off_node_stops_even_while_its_agent_waits_inside_a_store_call(tmp_path):
+    """With torch's rendezvous keep-alive far apart, the agent's main thread is the one that
+    meets the frozen store: its TCPStore.get gives up waiting after read_timeout, then waits
+    for the answer to its cancel with no timeout, and torch retries that read when a signal
+    interrupts it. The node must still stop in one line and exit 143."""
+    rec = tmp_path / "rec"
+    a, b = _pair(tmp_path, rec, conf="keep_alive_interval=60")
+    ckpts = tmp_path / "runs" / "pair" / "checkpoints"
+    try:
+        b.wait_until(lambda: (ckpts / "step-4").is_dir(), "the checkpoint of step 4")
+        _freeze(a, rec)
+        code = b.wait(timeout=90)  # before the fix: still waiting (torch's read never returns)
+    finally:
+        _kill(a, rec)
+        b.kill_all()
+    out = b.output()
+    assert code == 143, out
+    lines = [line for line in out.splitlines() if "cannot reach the rendezvous store" in line]
+    assert len(lines) == 1 and "exit 143" in lines[0], out
+    assert "Traceback" not in out, out
