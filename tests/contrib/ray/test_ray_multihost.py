@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -143,6 +144,13 @@ class TwoNodeRay:
                                       wrap=self.bed[1].command)
         self.worker.start()
 
+    def ensure_worker(self) -> None:
+        """Start host1's node again if a test killed it (a host that rebooted)."""
+        if self.worker.proc is not None and self.worker.proc.poll() is not None:
+            left = self.worker.stop()
+            assert not left, f"the killed worker node left processes: {sorted(left)}"
+            self.worker.start()
+
     def run(self, out: Path, *args: str, **env: str) -> subprocess.Popen:
         """``distrun run --launcher ray`` started on host0; its output in ``out/launcher.log``."""
         with open(out / "launcher.log", "w") as log:
@@ -188,6 +196,7 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float) -> str:
 
 
 def test_ranks_on_two_ray_nodes_train_as_one_host(two_node_ray, reference, tmp_path):
+    two_node_ray.ensure_worker()
     (tmp_path / "task.py").write_text(TASK)
     started = time.monotonic()
     proc = two_node_ray.run(tmp_path, "--ray-placement", "STRICT_SPREAD", "--name", "spread")
@@ -202,29 +211,65 @@ def test_ranks_on_two_ray_nodes_train_as_one_host(two_node_ray, reference, tmp_p
     print(f"two-node Ray run: {took:.1f} s")
 
 
-def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_ray, reference,
-                                                                     tmp_path):
-    (tmp_path / "task.py").write_text(TASK)
-    hold = tmp_path / "held"
-    proc = two_node_ray.run(tmp_path, "--ray-placement", "SPREAD", "--ray-max-restarts", "1",
-                            "--name", "lost",
-                            HOLD_FILE=str(hold))
+def _kill_host1_at_step_3(two_node_ray: TwoNodeRay, out: Path, *args: str
+                          ) -> tuple[subprocess.Popen, float]:
+    """Start the run; once its rank on host1 holds after step 3, kill every process of host1
+    (raylet, Ray workers, the rank). The launcher and the time of the kill."""
+    hold = out / "held"
+    proc = two_node_ray.run(out, *args, HOLD_FILE=str(hold))
     try:
         deadline = time.monotonic() + 180
         while not hold.exists():
-            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()
+            assert proc.poll() is None, (out / "launcher.log").read_text()
             assert time.monotonic() < deadline, "the rank on host1 never reached step 3"
             time.sleep(0.1)
-        killed_at = time.monotonic()
-        two_node_ray.bed[1].kill_all()  # node loss: raylet, its workers, the rank
-    finally:
-        log = _finish(proc, tmp_path, timeout=240)
-    took = time.monotonic() - killed_at
-    print(log)
-    print(f"from the kill to the end of the run: {took:.1f} s")
+        two_node_ray.bed[1].kill_all()
+    except BaseException:
+        _finish(proc, out, timeout=0.1)
+        raise
+    return proc, time.monotonic()
+
+
+LOST = r"^distrun: lost Ray node 198\.18\.0\.2 \(host1\) with rank [01]: its actor cannot be " \
+       r"reached \(\w+\): the node stopped or its network is down$"
+
+
+def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_ray, reference,
+                                                                     tmp_path):
+    two_node_ray.ensure_worker()
+    (tmp_path / "task.py").write_text(TASK)
+    proc, killed_at = _kill_host1_at_step_3(two_node_ray, tmp_path, "--ray-placement", "SPREAD",
+                                            "--ray-max-restarts", "1", "--name", "lost")
+    log = _finish(proc, tmp_path, timeout=240)
+    print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
     assert proc.returncode == 0, log
-    assert "Traceback" not in log
+    # one line for the loss, naming the lost node, not the survivor that lost its peer
+    assert len(re.findall(LOST, log, re.M)) == 1, log
+    assert "failed with exit code" not in log and "Traceback" not in log, log
+    assert "restarting all 2 ranks on Ray (restart 1 of 1)" in log
     got = _result(tmp_path)
     assert got["resumed_from"] and "lost" in got["resumed_from"]
-    assert got["start_step"] == 2
+    assert got["start_step"] == 2  # the step-2 checkpoint, both ranks on host0 now
     assert got["weights"] == reference["weights"]
+
+
+def test_a_lost_ray_node_without_room_left_ends_in_one_line_and_a_requeue_code(two_node_ray,
+                                                                              tmp_path):
+    """STRICT_SPREAD needs two nodes: once host1 is gone the group cannot be placed again."""
+    two_node_ray.ensure_worker()
+    (tmp_path / "task.py").write_text(TASK)
+    proc, killed_at = _kill_host1_at_step_3(two_node_ray, tmp_path, "--ray-placement",
+                                            "STRICT_SPREAD", "--ray-max-restarts", "1",
+                                            "--ray-start-timeout", "10", "--name", "noroom")
+    log = _finish(proc, tmp_path, timeout=240)
+    print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
+    assert proc.returncode == 143, log  # requeue: the newest checkpoint is there to resume
+    assert len(re.findall(LOST, log, re.M)) == 1, log
+    last = log.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"distrun: the Ray cluster cannot place 2 workers of \{'CPU': 1\.0\} \(STRICT_SPREAD\) "
+        r"again within 10s \(it has CPU=\d+, GPU=0\) after losing node 198\.18\.0\.2 \(host1\): "
+        r"add a node \(or restart the lost one\) and run again with --resume auto; exit 143 "
+        r"\(requeue\)", last), log
+    assert "Traceback" not in log and "failed with exit code" not in log, log
+    assert (tmp_path / "runs" / "noroom" / "checkpoints" / "step-2").is_dir()
