@@ -66,8 +66,11 @@ class Record:
     @distrun.hookimpl
     def distrun_on_fit_start(self, run):
         self.start_step = run.progress.step
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            with open(os.path.join(os.environ["OUT_DIR"], f"first-rank{run.rank}"), "w") as fh:
+                fh.write(f"{socket.gethostname()} {os.getpid()}")
         with open(os.path.join(os.environ["OUT_DIR"], f"host-of-rank{run.rank}"), "w") as fh:
-            fh.write(socket.gethostname())
+            fh.write(f"{socket.gethostname()} {os.getpid()}")
 
     @distrun.hookimpl
     def distrun_on_step_end(self, run, step):
@@ -111,8 +114,13 @@ def _result(out: Path) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+def _ranks_at_the_hold(out: Path) -> list[str]:
+    """'HOST PID' of each rank of the first attempt (written before the kill)."""
+    return [(out / f"first-rank{r}").read_text() for r in range(2)]
+
+
 def _hosts_of_ranks(out: Path) -> list[str]:
-    return [(out / f"host-of-rank{r}").read_text() for r in range(2)]
+    return [(out / f"host-of-rank{r}").read_text().split()[0] for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -223,11 +231,21 @@ def _kill_host1_at_step_3(two_node_ray: TwoNodeRay, out: Path, *args: str
             assert proc.poll() is None, (out / "launcher.log").read_text()
             assert time.monotonic() < deadline, "the rank on host1 never reached step 3"
             time.sleep(0.1)
+        listening = {h.name: h.listening() for h in two_node_ray.bed}
         two_node_ray.bed[1].kill_all()
     except BaseException:
         _finish(proc, out, timeout=0.1)
         raise
+    (out / "listening.json").write_text(json.dumps(
+        {name: [[ln.address, ln.port, ln.processes] for ln in lst]
+         for name, lst in listening.items()}))
     return proc, time.monotonic()
+
+
+#: what Ray 2.60 listens on every interface whatever it is told: the GCS, the raylet (node
+#: manager, object manager) and every core worker's gRPC server (actors, idle workers, the
+#: launcher's driver)
+RAY_EVERYWHERE = ("gcs_server", "raylet", "ray::")
 
 
 LOST = r"^distrun: lost Ray node 198\.18\.0\.2 \(host1\) with rank [01]: its actor cannot be " \
@@ -247,6 +265,17 @@ def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_r
     assert len(re.findall(LOST, log, re.M)) == 1, log
     assert "failed with exit code" not in log and "Traceback" not in log, log
     assert "restarting all 2 ranks on Ray (restart 1 of 1)" in log
+    # While both nodes ran: the ranks' servers (rank 0's store, gloo) on their node's address,
+    # nothing on every interface but what Ray itself forces there.
+    listening = json.loads((tmp_path / "listening.json").read_text())
+    addresses = {h.name: h.address for h in two_node_ray.bed}
+    for host, pid in (line.split() for line in _ranks_at_the_hold(tmp_path)):
+        mine = [a for a, _, procs in listening[host] if any(p == int(pid) for _, p in procs)]
+        assert mine and set(mine) == {addresses[host]}, (host, listening[host])
+    for host, lst in listening.items():
+        wide = [(a, port, procs) for a, port, procs in lst if a in ("*", "0.0.0.0", "::")
+                and not all(n.startswith(RAY_EVERYWHERE) or p == proc.pid for n, p in procs)]
+        assert wide == [], (host, lst)
     got = _result(tmp_path)
     assert got["resumed_from"] and "lost" in got["resumed_from"]
     assert got["start_step"] == 2  # the step-2 checkpoint, both ranks on host0 now
