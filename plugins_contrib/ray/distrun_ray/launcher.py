@@ -188,10 +188,12 @@ def _stop_ranks(ray: Any, ranks: list[_Rank], grace: float) -> None:
             pass
 
 
-def _say_lost(r: _Rank) -> None:
+def _say_lost(r: _Rank, last: bool) -> None:
+    then = (f"; no restart left (--ray-max-restarts): run again with --resume auto; exit "
+            f"{EXIT_REQUEUE} (requeue)") if last else ""
     print(f"distrun: lost Ray node {r.node_name} with rank {r.rank}: its actor cannot be "
-          f"reached ({r.lost}): the node stopped or its network is down", file=sys.stderr,
-          flush=True)
+          f"reached ({r.lost}): the node stopped or its network is down{then}",
+          file=sys.stderr, flush=True)
 
 
 def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
@@ -261,7 +263,7 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             if stop.signum is not None:
                 return code
             if failed.lost:
-                _say_lost(failed)
+                _say_lost(failed, last=attempt == restarts)
                 lost.append(f"node {failed.node_name}")
                 code = EXIT_REQUEUE  # nothing failed in the job: it can go on elsewhere
             else:

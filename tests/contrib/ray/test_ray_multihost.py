@@ -249,7 +249,7 @@ RAY_EVERYWHERE = ("gcs_server", "raylet", "ray::")
 
 
 LOST = r"^distrun: lost Ray node 198\.18\.0\.2 \(host1\) with rank [01]: its actor cannot be " \
-       r"reached \(\w+\): the node stopped or its network is down$"
+       r"reached \(\w+\): the node stopped or its network is down"
 
 
 def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_ray, reference,
@@ -262,7 +262,7 @@ def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_r
     print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
     assert proc.returncode == 0, log
     # one line for the loss, naming the lost node, not the survivor that lost its peer
-    assert len(re.findall(LOST, log, re.M)) == 1, log
+    assert len(re.findall(LOST + "$", log, re.M)) == 1, log
     assert "failed with exit code" not in log and "Traceback" not in log, log
     assert "restarting all 2 ranks on Ray (restart 1 of 1)" in log
     # While both nodes ran: the ranks' servers (rank 0's store, gloo) on their node's address,
@@ -293,7 +293,7 @@ def test_a_lost_ray_node_without_room_left_ends_in_one_line_and_a_requeue_code(t
     log = _finish(proc, tmp_path, timeout=240)
     print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
     assert proc.returncode == 143, log  # requeue: the newest checkpoint is there to resume
-    assert len(re.findall(LOST, log, re.M)) == 1, log
+    assert len(re.findall(LOST + "$", log, re.M)) == 1, log
     last = log.strip().splitlines()[-1]
     assert re.fullmatch(
         r"distrun: the Ray cluster cannot place 2 workers of \{'CPU': 1\.0\} \(STRICT_SPREAD\) "
@@ -302,3 +302,19 @@ def test_a_lost_ray_node_without_room_left_ends_in_one_line_and_a_requeue_code(t
         r"\(requeue\)", last), log
     assert "Traceback" not in log and "failed with exit code" not in log, log
     assert (tmp_path / "runs" / "noroom" / "checkpoints" / "step-2").is_dir()
+
+
+def test_a_lost_ray_node_with_no_restart_left_ends_in_one_line_and_a_requeue_code(two_node_ray,
+                                                                                 tmp_path):
+    """The default, --ray-max-restarts 0: the loss is said once, with what to do."""
+    two_node_ray.ensure_worker()
+    (tmp_path / "task.py").write_text(TASK)
+    proc, killed_at = _kill_host1_at_step_3(two_node_ray, tmp_path, "--ray-placement", "SPREAD",
+                                            "--name", "norestart")
+    log = _finish(proc, tmp_path, timeout=240)
+    print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
+    assert proc.returncode == 143, log
+    assert re.fullmatch(LOST + r"; no restart left \(--ray-max-restarts\): run again with "
+                        r"--resume auto; exit 143 \(requeue\)", log.strip().splitlines()[-1]), log
+    assert len(re.findall(LOST, log, re.M)) == 1, log
+    assert "Traceback" not in log and "failed with exit code" not in log, log
