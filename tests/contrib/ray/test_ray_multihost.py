@@ -146,10 +146,12 @@ class TwoNodeRay:
         self.bed = Testbed.up(2)
         self.head = LocalRayCluster(num_cpus=2, start_timeout=180, node_ip=self.bed[0].address,
                                     wrap=self.bed[0].command)
-        self.address = self.head.start()
         self.worker = LocalRayCluster(num_cpus=2, start_timeout=180,
-                                      node_ip=self.bed[1].address, join=self.address,
-                                      wrap=self.bed[1].command)
+                                      node_ip=self.bed[1].address, wrap=self.bed[1].command)
+        self.address = ""
+
+    def start(self) -> None:
+        self.address = self.worker.join = self.head.start()
         self.worker.start()
 
     def ensure_worker(self) -> None:
@@ -183,14 +185,13 @@ def two_node_ray() -> Iterator[TwoNodeRay]:
     why = unavailable()
     if why:
         pytest.skip(f"multihost testbed unavailable: {why}")
-    cluster = None
+    cluster = TwoNodeRay()
     try:
-        cluster = TwoNodeRay()
+        cluster.start()
         yield cluster
     finally:
-        if cluster is not None:
-            left = cluster.stop()
-            assert not left, f"processes left running: {left}"
+        left = cluster.stop()
+        assert not left, f"processes left running: {left}"
 
 
 def _finish(proc: subprocess.Popen, out: Path, timeout: float) -> str:
@@ -234,7 +235,8 @@ def _kill_host1_at_step_3(two_node_ray: TwoNodeRay, out: Path, *args: str
         listening = {h.name: h.listening() for h in two_node_ray.bed}
         two_node_ray.bed[1].kill_all()
     except BaseException:
-        _finish(proc, out, timeout=0.1)
+        proc.kill()
+        proc.wait()
         raise
     (out / "listening.json").write_text(json.dumps(
         {name: [[ln.address, ln.port, ln.processes] for ln in lst]
