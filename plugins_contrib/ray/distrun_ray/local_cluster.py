@@ -87,9 +87,8 @@ class LocalRayCluster:
             if importlib.util.find_spec("grpc") is not None:
                 # Ray's client server (only with ray[client]) would take the fixed port 10001.
                 command += ["--ray-client-server-port", str(free_port())]
-        env = {**os.environ, **self.env}
-        if self.node_ip == "127.0.0.1":
-            env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        loopback = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if self.node_ip == "127.0.0.1" else {}
+        env = {**os.environ, **loopback, **self.env}
         env.pop("RAY_ADDRESS", None)
         self.log = open(os.path.join(self.temp_dir, "head.log"), "w")  # noqa: SIM115
         argv = reaped(command, grace=5.0, remove=self.temp_dir)
