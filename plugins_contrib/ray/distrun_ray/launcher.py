@@ -2,10 +2,11 @@
 
 The launcher reserves one placement-group bundle per rank, places a :class:`RankHost` actor in
 each, gives every rank torchrun's variables (rank 0's node address and a port free there as the
-master) and streams the workers' lines back. When every rank is on one node, the run's servers
-listen on that node's address only (:mod:`distrun.launch.binding`): rank 0's actor binds the
-store's socket there and hands it to its worker, gloo gets that address's interface. When a rank fails the others are stopped, the rank
-and its last lines are reported and, with ``--ray-max-restarts N``, the whole group starts
+master) and streams the workers' lines back. Each rank's servers listen on its node's address
+only, on one node or several (:mod:`distrun.launch.binding`): rank 0's actor binds the store's
+socket there and hands it to its worker, and each rank's gloo gets its node address's
+interface. When a rank fails the others are stopped, the rank and its last lines are reported
+and, with ``--ray-max-restarts N``, the whole group starts
 again with ``TORCHELASTIC_RESTART_COUNT`` raised and ``--resume auto`` (so a checkpoint plugin
 continues from the newest checkpoint of the run).
 
