@@ -170,6 +170,20 @@ class TwoNodeRay:
                  *COMMON, "task.py"],
                 env=_env(out, **env), cwd=out, stdout=log, stderr=subprocess.STDOUT)
 
+    def ranks_left(self) -> list[str]:
+        """The run's worker processes (``task.py``) still alive on either host."""
+        left = []
+        for h in self.bed:
+            for pid in h.pids():
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                        argv = fh.read().split(b"\0")
+                except OSError:  # ended meanwhile
+                    continue
+                if b"task.py" in argv:
+                    left.append(f"{h.name}: {pid}")
+        return left
+
     def stop(self) -> list[str]:
         """Stop both nodes and the testbed; what was still running on a host, if anything."""
         left = [f"{name}: {sorted(pids)}" for name, node in (("host1", self.worker),
@@ -262,6 +276,7 @@ def test_a_lost_ray_node_is_named_and_the_run_resumes_on_what_is_left(two_node_r
                                             "--ray-max-restarts", "1", "--name", "lost")
     log = _finish(proc, tmp_path, timeout=240)
     print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
+    assert two_node_ray.ranks_left() == [], log
     assert proc.returncode == 0, log
     # one line for the loss, naming the lost node, not the survivor that lost its peer
     assert len(re.findall(LOST + "$", log, re.M)) == 1, log
@@ -294,6 +309,7 @@ def test_a_lost_ray_node_without_room_left_ends_in_one_line_and_a_requeue_code(t
                                             "--ray-start-timeout", "10", "--name", "noroom")
     log = _finish(proc, tmp_path, timeout=240)
     print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
+    assert two_node_ray.ranks_left() == [], log
     assert proc.returncode == 143, log  # requeue: the newest checkpoint is there to resume
     assert len(re.findall(LOST + "$", log, re.M)) == 1, log
     last = log.strip().splitlines()[-1]
@@ -315,6 +331,7 @@ def test_a_lost_ray_node_with_no_restart_left_ends_in_one_line_and_a_requeue_cod
                                             "--name", "norestart")
     log = _finish(proc, tmp_path, timeout=240)
     print(f"from the kill to the end of the run: {time.monotonic() - killed_at:.1f} s")
+    assert two_node_ray.ranks_left() == [], log
     assert proc.returncode == 143, log
     assert re.fullmatch(LOST + r"; no restart left \(--ray-max-restarts\): run again with "
                         r"--resume auto; exit 143 \(requeue\)", log.strip().splitlines()[-1]), log
