@@ -42,11 +42,12 @@ class RankHost:
         self.readers: list[threading.Thread] = []
         self.store: socket.socket | None = None  # rank 0's store socket, until start()
 
-    def node(self) -> tuple[str, str]:
-        """(IP address, Ray node id) of the node this actor was placed on."""
+    def node(self) -> tuple[str, str, str]:
+        """(IP address, Ray node id, host name) of the node this actor was placed on."""
         import ray
 
-        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        return (ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+                socket.gethostname())
 
     def store_port(self, bind: str | None) -> int:
         """The port of rank 0's store on this node.

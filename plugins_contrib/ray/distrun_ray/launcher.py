@@ -2,12 +2,20 @@
 
 The launcher reserves one placement-group bundle per rank, places a :class:`RankHost` actor in
 each, gives every rank torchrun's variables (rank 0's node address and a port free there as the
-master) and streams the workers' lines back. When every rank is on one node, the run's servers
-listen on that node's address only (:mod:`distrun.launch.binding`): rank 0's actor binds the
-store's socket there and hands it to its worker, gloo gets that address's interface. When a rank fails the others are stopped, the rank
-and its last lines are reported and, with ``--ray-max-restarts N``, the whole group starts
+master) and streams the workers' lines back. Each rank's servers listen on its node's address
+only, on one node or several (:mod:`distrun.launch.binding`): rank 0's actor binds the store's
+socket there and hands it to its worker, and each rank's gloo gets its node address's
+interface. When a rank fails the others are stopped, the rank and its last lines are reported
+and, with ``--ray-max-restarts N``, the whole group starts
 again with ``TORCHELASTIC_RESTART_COUNT`` raised and ``--resume auto`` (so a checkpoint plugin
 continues from the newest checkpoint of the run).
+
+A rank whose actor cannot be reached (its node died or was cut off) is the cause of the failure,
+whatever its peers then reported (they lost their connection to it): the launcher names that
+node in one line, and restarts on what the cluster has left, or, when the cluster cannot place
+the group again within ``--ray-start-timeout``, says so in one line and exits with
+:data:`~distrun.train.run.EXIT_REQUEUE` (the run resumes from its newest checkpoint when
+started again).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
 from distrun.launch.exits import exit_code
 from distrun.launch.local import STOP_GRACE, torchrun_env
 from distrun.launch.relay import Relay, new_tail, report_failure
+from distrun.train.run import EXIT_REQUEUE
 
 __all__ = ["launch_ray", "forwarded_env"]
 
@@ -47,6 +56,7 @@ class _Rank:
     rank: int
     actor: Any
     ip: str
+    host: str = ""  # the node's host name
     local_rank: int = 0
     local_world: int = 1
     node_rank: int = 0
@@ -54,6 +64,15 @@ class _Rank:
     tail: collections.deque[str] = field(default_factory=new_tail)
     log: IO[str] | None = None
     err_tail: collections.deque[str] = field(default_factory=new_tail)  # its stderr lines
+    lost: str | None = None  # why its actor cannot be reached (a Ray error's name)
+
+    @property
+    def node_name(self) -> str:
+        return f"{self.ip} ({self.host})" if self.host and self.host != self.ip else self.ip
+
+
+class _NoRoom(Exception):
+    """The cluster cannot place the group: the bundle asked for and what the cluster has."""
 
 
 def _connect(config: RunConfig) -> Any:
@@ -90,11 +109,8 @@ def _place(ray: Any, config: RunConfig, n: int) -> tuple[Any, list[_Rank]]:
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         have = ray.cluster_resources()
-        raise UsageError(
-            f"the Ray cluster cannot place {n} workers of {bundle} within "
-            f"{config.ray_start_timeout:g}s (it has CPU={have.get('CPU', 0):g}, "
-            f"GPU={have.get('GPU', 0):g}); lower --ray-num-workers or --ray-cpus-per-worker, "
-            "or add nodes") from None
+        raise _NoRoom(f"{n} workers of {bundle}",
+                      f"CPU={have.get('CPU', 0):g}, GPU={have.get('GPU', 0):g}") from None
     remote = ray.remote(RankHost)
     actors = [remote.options(
         num_cpus=config.ray_cpus_per_worker, num_gpus=config.ray_gpus_per_worker or None,
@@ -103,12 +119,13 @@ def _place(ray: Any, config: RunConfig, n: int) -> tuple[Any, list[_Rank]]:
     nodes = ray.get([a.node.remote() for a in actors], timeout=config.ray_start_timeout)
     # torchrun's numbering: ranks of one node are consecutive, nodes in order of appearance.
     order: dict[str, list[int]] = {}
-    for i, (_, node_id) in enumerate(nodes):
+    for i, (_, node_id, _) in enumerate(nodes):
         order.setdefault(node_id, []).append(i)
     ranks: list[_Rank] = []
     for node_rank, members in enumerate(order.values()):
         for local, i in enumerate(members):
-            ranks.append(_Rank(len(ranks), actors[i], nodes[i][0], local, len(members), node_rank))
+            ranks.append(_Rank(len(ranks), actors[i], nodes[i][0], nodes[i][2], local,
+                               len(members), node_rank))
     return pg, ranks
 
 
@@ -137,29 +154,47 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | 
                 r.actor.signal.remote(stop.signum)
             forwarded = True
         if stop.since is not None and time.monotonic() - stop.since > STOP_GRACE:
-            ray.get([r.actor.stop.remote(0.0) for r in live], timeout=60)
+            _stop_ranks(ray, live, grace=0.0)
         for r in live:
             try:
                 lines, code = ray.get(r.actor.poll.remote(), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                lines, code = [("err", f"the Ray actor of rank {r.rank} was lost: "
-                                       f"{type(exc).__name__}\n")], -int(signal.SIGKILL)
+                r.lost, lines, code = type(exc).__name__, [], -int(signal.SIGKILL)
             for stream, line in lines:
                 relay.emit(r, line, sys.stdout if stream == "out" else sys.stderr)
             r.code = code
         failed = [r for r in ranks if r.code not in (None, 0)]
         if failed and stop.signum is None:
-            # The root cause, not the ranks that merely lost their peers when it died.
-            first = min(failed, key=lambda r: (r.code in (-9, -15), r.rank))
-            others = [r for r in ranks if r.code is None]
-            try:
-                ray.get([r.actor.stop.remote(5.0) for r in others], timeout=60)
-            except ray.exceptions.RayError:
-                pass
-            return first
+            _stop_ranks(ray, [r for r in ranks if r.code is None], grace=5.0)
+            # The root cause, not the ranks that merely lost their peers when it died: a rank
+            # on a lost node (found now, or while stopping the others), else one that failed
+            # by itself rather than by a signal.
+            failed = [r for r in ranks if r.lost or r.code not in (None, 0)]
+            return min(failed, key=lambda r: (r.lost is None, r.code in (-9, -15), r.rank))
         if stop.signum is not None and all(r.code is not None for r in ranks):
             return next((r for r in ranks if r.code != 0), None)
         time.sleep(POLL_SECONDS)
+
+
+def _stop_ranks(ray: Any, ranks: list[_Rank], grace: float) -> None:
+    """Stop these ranks' workers; a rank whose actor does not answer is marked lost."""
+    calls = [(r, r.actor.stop.remote(grace)) for r in ranks]
+    deadline = time.monotonic() + grace + 60
+    for r, call in calls:
+        try:
+            ray.get(call, timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            r.lost = type(exc).__name__
+        except ray.exceptions.RayError:
+            pass
+
+
+def _say_lost(r: _Rank, last: bool) -> None:
+    then = (f"; no restart left (--ray-max-restarts): run again with --resume auto; exit "
+            f"{EXIT_REQUEUE} (requeue)") if last else ""
+    print(f"distrun: lost Ray node {r.node_name} with rank {r.rank}: its actor cannot be "
+          f"reached ({r.lost}): the node stopped or its network is down{then}",
+          file=sys.stderr, flush=True)
 
 
 def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
@@ -177,9 +212,26 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     pg: Any = None
     ranks: list[_Rank] = []
+    lost: list[str] = []  # the nodes lost so far
     try:
         for attempt in range(restarts + 1):
-            pg, ranks = _place(ray, config, n)
+            try:
+                pg, ranks = _place(ray, config, n)
+            except _NoRoom as exc:
+                asked, have = exc.args
+                if attempt == 0:
+                    raise UsageError(
+                        f"the Ray cluster cannot place {asked} within "
+                        f"{config.ray_start_timeout:g}s (it has {have}); lower "
+                        "--ray-num-workers or --ray-cpus-per-worker, or add nodes") from None
+                print(f"distrun: the Ray cluster cannot place {asked} "
+                      f"({config.ray_placement}) again within {config.ray_start_timeout:g}s "
+                      f"(it has {have}) after "
+                      f"{'losing ' + ', '.join(lost) if lost else 'the failure above'}: add a "
+                      "node (or restart the lost one) and run again with --resume auto; exit "
+                      f"{EXIT_REQUEUE} (requeue)",
+                      file=sys.stderr, flush=True)
+                return EXIT_REQUEUE
             master_ip = ranks[0].ip
             nnodes = len({r.node_rank for r in ranks})
             # every server on its node's address as Ray knows it, never every interface
@@ -211,7 +263,12 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             code = exit_code(failed.code if failed.code is not None else 1)
             if stop.signum is not None:
                 return code
-            report_failure(failed, code, where=f"Ray node {failed.ip}")
+            if failed.lost:
+                _say_lost(failed, last=attempt == restarts)
+                lost.append(f"node {failed.node_name}")
+                code = EXIT_REQUEUE  # nothing failed in the job: it can go on elsewhere
+            else:
+                report_failure(failed, code, where=f"Ray node {failed.ip}")
             if attempt < restarts:
                 print(f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "
                       f"{restarts}), resuming from the newest checkpoint", file=sys.stderr,
