@@ -15,11 +15,11 @@ from distrun.testing import run_cli
 PLUGIN_PY = '''
 """A third-party plugin: a strategy, an option and a hook that writes a marker file."""
 import os
-from distrun import Option, StrategyInfo, hookimpl
+from distrun.plugin import Option, StrategyInfo, hookimpl
 
 
 def _factory(config):
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class Hello(BaseStrategy):
         name = "hello"

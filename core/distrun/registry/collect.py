@@ -8,7 +8,7 @@ from typing import Any
 
 import pluggy
 
-from distrun.config.run_config import RunConfig, core_options
+from distrun.config.run_config import RunConfig, core_options, resolve_config
 from distrun.spec.backends import BackendInfo, parse_backend
 from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
@@ -16,7 +16,7 @@ from distrun.spec.strategy import StrategyInfo
 
 __all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "check_consumed",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
-           "collect_strategies"]
+           "collect_strategies", "resolve_run_config"]
 
 #: first-party names a user may ask for before installing them: name -> distribution
 FIRST_PARTY = {
@@ -195,3 +195,15 @@ def check_consumed(pm: pluggy.PluginManager, options: list[Option], config: RunC
             f"{opt.flag} {value}: no plugin reads it: no installed plugin implements "
             f"{opt.consumer} (install one that does: `distrun plugins` lists the installed "
             f"ones and their hooks), or drop {opt.flag}")
+
+
+def resolve_run_config(code: dict[str, Any], world_size: int) -> RunConfig:
+    """The run config of ``world_size`` processes from flags' sources and ``code`` values,
+    checked and with its strategy chosen, as ``distrun run`` resolves it before any worker
+    starts (for launchers that start workers from code: a notebook's cell)."""
+    from distrun.registry.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    config = resolve_config(collect_options(pm), code=code)
+    choose_strategy(config, world_size, collect_strategies(pm), pm.is_blocked)
+    return config

@@ -17,11 +17,12 @@ import pluggy
 
 from distrun.spec import hookspecs
 from distrun.spec.errors import UsageError
-from distrun.spec.markers import ENTRY_POINT_GROUP, PROJECT
+from distrun.spec.markers import API_ATTRIBUTE, API_VERSION, ENTRY_POINT_GROUP, PROJECT
 
 __all__ = [
     "PluginInfo",
     "blocked_implementers",
+    "check_api_versions",
     "get_plugin_manager",
     "known_plugin_names",
     "make_plugin_manager",
@@ -88,6 +89,7 @@ def make_plugin_manager(
         except ImportError as exc:
             raise UsageError(f"cannot import plugin module {module!r}: {exc}") from None
         pm.register(mod, name=module)
+    check_api_versions(pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -96,6 +98,30 @@ def make_plugin_manager(
             "(check the hook's spelling against distrun.spec.hookspecs)"
         ) from None
     return pm
+
+
+def check_api_versions(pm: pluggy.PluginManager) -> None:
+    """Refuse a plugin written for another plugin API than this distrun's, in one line.
+
+    A plugin states its API as ``DISTRUN_PLUGIN_API = N`` in the module it registers; one that
+    states none was written before the API had a version and is taken as version 1. Checked
+    before ``check_pending``, so a plugin for a newer API is told as that, not as a hook typo.
+    """
+    from distrun._version import __version__
+
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    for name, plugin in pm.list_name_plugin():
+        wanted = getattr(plugin, API_ATTRIBUTE, API_VERSION) if plugin is not None else None
+        if wanted is None or wanted == API_VERSION:
+            continue
+        dist = dists.get(id(plugin))
+        where = f" ({dist.project_name} {dist.version})" if dist is not None else ""
+        fix = (f"install a {dist.project_name} release for API {API_VERSION}"
+               if dist is not None else f"update it to API {API_VERSION}")
+        raise UsageError(
+            f"plugin {name!r}{where} is written for distrun plugin API {wanted!r}, but distrun "
+            f"{__version__} provides plugin API {API_VERSION} ({fix}, or block it with "
+            f"-p no:{name})")
 
 
 def get_plugin_manager() -> pluggy.PluginManager:

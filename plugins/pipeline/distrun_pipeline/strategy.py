@@ -19,16 +19,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distrun import UsageError
-from distrun.config.parallel_dims import ParallelDims
-from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
-from distrun.strategies.base import BaseStrategy
-from distrun.strategies.mesh import build_mesh
+from distrun.plugin import (
+    DEVICE_MESH,
+    PARALLEL_DIMS,
+    BaseStrategy,
+    ParallelDims,
+    UsageError,
+    build_mesh,
+)
 from distrun_pipeline import schedules, split, state
 from distrun_pipeline.pipe import Pipeline, PipelineHooks
 
 if TYPE_CHECKING:
-    from distrun.spec.strategy import SetupView
+    from distrun.plugin import SetupView
 
 __all__ = ["PipelineDDPStrategy", "PipelineFSDPStrategy", "PipelineStrategy"]
 

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StrategyInfo, UsageError, hookimpl, plugin_options
-from distrun.config.parallel_dims import ParallelDims
-from distrun.spec.keys import DEVICE_MESH
+from distrun.plugin import (
+    DEVICE_MESH,
+    ParallelDims,
+    StrategyInfo,
+    UsageError,
+    hookimpl,
+    plugin_options,
+)
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 
 @hookimpl

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
 
 if TYPE_CHECKING:
     from distrun_amp.precision import MixedPrecision
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: the run's autocast/GradScaler state, for plugins that need the scaler
 AMP: StashKey[MixedPrecision] = StashKey("amp")

@@ -21,11 +21,18 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from distrun import UsageError
-from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.launch.exits import exit_code
-from distrun.launch.local import STOP_GRACE, torchrun_env
-from distrun.launch.relay import Relay, new_tail, report_failure
+from distrun.plugin import (
+    CONFIG_ENV,
+    STOP_GRACE,
+    Relay,
+    RunConfig,
+    UsageError,
+    exit_code,
+    new_tail,
+    report_failure,
+    torchrun_env,
+    with_values,
+)
 
 __all__ = ["launch_ray", "forwarded_env"]
 

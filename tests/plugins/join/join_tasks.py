@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrun
-from distrun.strategies.base import BaseStrategy
+from distrun.plugin import BaseStrategy
 
 
 class Batches:
