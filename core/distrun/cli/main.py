@@ -18,6 +18,7 @@ from distrun.cli.run_checks import check_layout, check_stages, check_syntax
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.config.run_dir import fresh_run_folder
 from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
+from distrun.registry.catalogue import offered
 from distrun.registry.collect import (
     apply_cluster_env,
     check_consumed,
@@ -39,17 +40,6 @@ from distrun.spec.errors import DistrunError, UsageError, closest
 
 __all__ = ["main", "build_cli"]
 
-#: flags of first-party plugins, so a missing plugin gets an install hint instead of a shrug
-PLUGIN_FLAGS = {
-    "--max-restarts": "distrun-elastic", "--max_restarts": "distrun-elastic",
-    "--rdzv-backend": "distrun-elastic", "--rdzv_backend": "distrun-elastic",
-    "--rdzv-endpoint": "distrun-elastic", "--rdzv_endpoint": "distrun-elastic",
-    "--rdzv-id": "distrun-elastic", "--rdzv_id": "distrun-elastic",
-    "--monitor-interval": "distrun-elastic", "--ddp-bucket-mb": "distrun-ddp",
-    "--ddp-comm-hook": "distrun-ddp", "--fsdp-reshard-after-forward": "distrun-fsdp",
-    "--tp-size": "distrun-tp", "--rpc-servers": "distrun-rpc", "--ckpt-every-n-steps":
-    "distrun-safetensors", "--precision": "distrun-amp", "--launcher": "distrun-ray",
-}
 
 
 def _scan_plugin_flags(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
@@ -92,7 +82,9 @@ def _option_to_click(opt: Any) -> click.Option:
                         metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
 
 
-def build_cli(pm: Any) -> click.Group:
+def build_cli(pm: Any, blocked: Sequence[str] = (), extra: Sequence[str] = ()) -> click.Group:
+    """The ``distrun`` command of ``pm``'s plugins; ``blocked`` and ``extra`` are the ``-p``
+    flags ``main`` read, handed on to the workers of a launch."""
     @click.group(context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "--version", prog_name="distrun")
     @click.option("-p", "plugin_flags", multiple=True, metavar="NAME",
@@ -122,7 +114,8 @@ def build_cli(pm: Any) -> click.Group:
     def run_cmd(as_module: bool, config_file: str | None, plugin_flags: tuple[str, ...],
                 target: str, args: tuple[str, ...], **flags: Any) -> None:
         flags = {k: v for k, v in flags.items() if v is not None}
-        code = launch(pm, options, target, list(args), as_module, config_file, flags)
+        code = launch(pm, options, target, list(args), as_module, config_file, flags,
+                      blocked=blocked, extra=extra)
         sys.exit(code)
 
     for opt in options:
@@ -272,7 +265,8 @@ def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -
 
 
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
-           config_file: str | None, flags: dict[str, Any]) -> int:
+           config_file: str | None, flags: dict[str, Any], blocked: Sequence[str] = (),
+           extra: Sequence[str] = ()) -> int:
     config = launcher_config(pm, options, target, config_file, flags, as_module)
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
@@ -280,7 +274,6 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
     # every process of this run, restarts included; on several nodes, the same on each node
     environ[RUN_KEY_ENV] = new_run_key() if config.nnodes in ("1", "1:1") else \
         new_run_key(config.name, config.master_addr, config.master_port)
-    blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
     if blocked:
         environ[BLOCK_ENV] = ",".join(blocked)
     if extra:
@@ -292,7 +285,7 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
 def _plugin_hint(exc: click.UsageError) -> str:
     """For an unknown flag a first-party plugin would add: the pip command that adds it."""
     if isinstance(exc, click.NoSuchOption):
-        dist = PLUGIN_FLAGS.get(exc.option_name.split("=", 1)[0])
+        dist = offered("flags").get(exc.option_name.split("=", 1)[0])
         if dist:
             return f" ({exc.option_name} comes with {dist}: pip install {dist})"
     return ""
@@ -320,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pm = make_plugin_manager(blocked=blocked, extra=extra)
         set_plugin_manager(pm)
         _warn_unknown_blocked(pm, blocked, extra)
-        cli = build_cli(pm)
+        cli = build_cli(pm, blocked, extra)
         cli.main(args=argv, prog_name="distrun", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

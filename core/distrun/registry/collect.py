@@ -9,24 +9,16 @@ from typing import Any
 import pluggy
 
 from distrun.config.run_config import RunConfig, core_options, resolve_config
+from distrun.registry.catalogue import offered
 from distrun.spec.backends import BackendInfo, parse_backend
 from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
-__all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "check_consumed",
+__all__ = ["apply_cluster_env", "check_consumed",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
            "collect_strategies", "resolve_run_config"]
 
-#: first-party names a user may ask for before installing them: name -> distribution
-FIRST_PARTY = {
-    "ddp": "distrun-ddp", "dp": "distrun-dp", "fsdp": "distrun-fsdp", "tp": "distrun-tp",
-    "rpc": "distrun-rpc", "pp": "distrun-pipeline", "pp+ddp": "distrun-pipeline",
-    "pp+fsdp": "distrun-pipeline",
-}
-
-#: first-party backends a user may ask for before installing them: name -> distribution
-FIRST_PARTY_BACKENDS = {"shm": "distrun-shm"}
 
 
 #: per manager: the plugins it had and the options they declared (asked once per plugin set)
@@ -87,11 +79,12 @@ def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
         info = backends.get(name)
         if info is None:
             installed = ", ".join(sorted(backends))
-            known = [*backends, *FIRST_PARTY_BACKENDS]
-            hint = "" if name in FIRST_PARTY_BACKENDS else suggest(name, known)
-            wanted = name if name in FIRST_PARTY_BACKENDS else closest(name, known)
-            install = (f" Install it with: pip install {FIRST_PARTY_BACKENDS[wanted]}"
-                       if wanted in FIRST_PARTY_BACKENDS else "")
+            catalogue = offered("backends")
+            known = [*backends, *catalogue]
+            hint = "" if name in catalogue else suggest(name, known)
+            wanted = name if name in catalogue else closest(name, known)
+            install = (f" Install it with: pip install {catalogue[wanted]}"
+                       if wanted in catalogue else "")
             hint = hint or "."
             raise UsageError(f"unknown backend '{name}'{hint} Installed: {installed}.{install}")
         if device != "*" and device not in info.devices:
@@ -129,8 +122,8 @@ def choose_strategy(config: RunConfig, world_size: int | None,
         return strategies["single"]
     if name in strategies:
         return strategies[name]
-    owners = [name] + ([FIRST_PARTY[name].removeprefix("distrun-")] if name in FIRST_PARTY
-                       else [])
+    catalogue = offered("strategies")
+    owners = [name] + ([catalogue[name].removeprefix("distrun-")] if name in catalogue else [])
     blocked = [p for p in owners if is_blocked is not None and is_blocked(p)]
     if blocked:
         plugin = blocked[0]
@@ -138,10 +131,10 @@ def choose_strategy(config: RunConfig, world_size: int | None,
                          f"(-p no:{plugin} or DISTRUN_BLOCK_PLUGINS); unblock it to use "
                          f"--strategy {name}")
     installed = ", ".join(sorted(strategies))
-    hint = suggest(name, [*strategies, *FIRST_PARTY])
-    wanted = name if name in FIRST_PARTY else closest(name, [*strategies, *FIRST_PARTY])
-    install = (f" Install it with: pip install {FIRST_PARTY[wanted]}"
-               if wanted in FIRST_PARTY and wanted not in strategies else "")
+    hint = suggest(name, [*strategies, *catalogue])
+    wanted = name if name in catalogue else closest(name, [*strategies, *catalogue])
+    install = (f" Install it with: pip install {catalogue[wanted]}"
+               if wanted in catalogue and wanted not in strategies else "")
     raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")
 
 

@@ -117,10 +117,6 @@ class Run:
     def device(self) -> torch.device:
         return self.strategy.device
 
-    @property
-    def checkpoint_dir(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
-
     def unwrapped_model(self) -> torch.nn.Module:
         """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""
         return self.strategy.unwrap_model(self.model)

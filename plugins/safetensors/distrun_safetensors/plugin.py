@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -66,7 +67,7 @@ def _checkpointer(run: Any) -> Any:
 
 
 def ckpt_dir(run: Any) -> str:
-    return run.config.get("ckpt_dir") or run.checkpoint_dir
+    return run.config.get("ckpt_dir") or os.path.join(run.run_dir, "checkpoints")
 
 
 def _check_storage(run: Any) -> None:
