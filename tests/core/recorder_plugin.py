@@ -51,8 +51,8 @@ def distrun_detect_cluster(environ):
 
 
 @hookimpl(tryfirst=True)
-def distrun_launch(config, command, environ):
-    _record("distrun_launch")
+def distrun_launch(config, command, environ, cluster):
+    _record("distrun_launch", cluster=getattr(cluster, "name", None))
 
 
 @hookimpl

@@ -29,10 +29,10 @@ def _pm() -> Any:
 def _resolve(pm: Any, config_file: str | None, flags: Mapping[str, Any]) -> Any:
     """The config as ``distrun run`` resolves it in the launcher, minus the run target."""
     from distrun.config.run_config import resolve_config
-    from distrun.registry.collect import apply_cluster_env, collect_options
+    from distrun.registry.collect import apply_cluster_env, collect_options, detect_cluster
 
     config = resolve_config(collect_options(pm), flags=flags, config_file=config_file)
-    config = apply_cluster_env(pm, config, dict(os.environ))
+    config = apply_cluster_env(config, detect_cluster(pm, os.environ))
     return config
 
 

@@ -27,6 +27,7 @@ from distrun.registry.collect import (
     collect_backends,
     collect_options,
     collect_strategies,
+    detect_cluster,
 )
 from distrun.registry.manager import (
     BLOCK_ENV,
@@ -36,6 +37,7 @@ from distrun.registry.manager import (
     plugin_infos,
     set_plugin_manager,
 )
+from distrun.spec.cluster import ClusterEnv
 from distrun.spec.errors import DistrunError, UsageError, closest
 
 __all__ = ["main", "build_cli"]
@@ -187,10 +189,12 @@ def _default_name(target: str) -> str:
 
 
 def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
-                    flags: dict[str, Any], as_module: bool = False) -> RunConfig:
-    """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
+                    flags: dict[str, Any], as_module: bool = False,
+                    cluster: ClusterEnv | None = None) -> RunConfig:
+    """Resolve the config in the launcher: sources, cluster facts (``cluster``, detected once
+    by the caller), strategy and run folder."""
     config = resolve_config(options, flags=flags, config_file=config_file)
-    config = apply_cluster_env(pm, config, dict(os.environ))
+    config = apply_cluster_env(config, cluster)
     from distrun.launch.binding import addresses_of
     from distrun.launch.local import resolve_nproc
 
@@ -234,7 +238,6 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     config = with_values(config, **fill) if fill else config
     # One launcher decides alone only on one node: launchers of several nodes (or one per rank,
     # under srun or torchrun) would each see the others' folder and choose differently.
-    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
     if config.nnodes in ("1", "1:1") and not getattr(cluster, "per_process", False):
         config = fresh_run_folder(config, say=True)
     return config
@@ -267,7 +270,8 @@ def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
            config_file: str | None, flags: dict[str, Any], blocked: Sequence[str] = (),
            extra: Sequence[str] = ()) -> int:
-    config = launcher_config(pm, options, target, config_file, flags, as_module)
+    cluster = detect_cluster(pm, os.environ)  # once per launch: the launchers get the answer
+    config = launcher_config(pm, options, target, config_file, flags, as_module, cluster)
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
@@ -278,7 +282,8 @@ def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
         environ[BLOCK_ENV] = ",".join(blocked)
     if extra:
         environ[EXTRA_ENV] = ",".join(extra)
-    code = pm.hook.distrun_launch(config=config, command=command, environ=environ)
+    code = pm.hook.distrun_launch(config=config, command=command, environ=environ,
+                                  cluster=cluster)
     return int(code or 0)
 
 

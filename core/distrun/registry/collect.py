@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import pluggy
 
 from distrun.config.run_config import RunConfig, core_options, resolve_config
 from distrun.registry.catalogue import offered
 from distrun.spec.backends import BackendInfo, parse_backend
+from distrun.spec.cluster import ClusterEnv
 from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
-__all__ = ["apply_cluster_env", "check_consumed",
+__all__ = ["apply_cluster_env", "check_consumed", "detect_cluster",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
            "collect_strategies", "resolve_run_config"]
 
@@ -138,21 +139,24 @@ def choose_strategy(config: RunConfig, world_size: int | None,
     raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")
 
 
-def apply_cluster_env(pm: pluggy.PluginManager, config: RunConfig,
-                      environ: dict[str, str]) -> RunConfig:
+def detect_cluster(pm: pluggy.PluginManager, environ: Mapping[str, str]) -> ClusterEnv | None:
+    """Where this launcher sits (``distrun_detect_cluster``); a launch asks once and hands the
+    answer on (to ``distrun_launch`` as ``cluster``)."""
+    return cast("ClusterEnv | None", pm.hook.distrun_detect_cluster(environ=dict(environ)))
+
+
+def apply_cluster_env(config: RunConfig, cluster: ClusterEnv | None) -> RunConfig:
     """Fill the layout fields the user left unset from the detected cluster environment."""
     from distrun.config.run_config import with_values
 
-    cluster = pm.hook.distrun_detect_cluster(environ=environ)
+    if cluster is None:
+        return config
     fill = {}
-    if cluster is not None:
-        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
-            value = getattr(cluster, key)
-            if value is not None and key not in config.sources:
-                fill[key] = str(value) if key == "nnodes" else value
-    if fill:
-        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
-    return config
+    for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
+        value = getattr(cluster, key)
+        if value is not None and key not in config.sources:
+            fill[key] = str(value) if key == "nnodes" else value
+    return with_values(config, source=f"cluster:{cluster.name}", **fill) if fill else config
 
 
 def check_consumed(pm: pluggy.PluginManager, options: list[Option], config: RunConfig) -> None:

@@ -122,7 +122,8 @@ def distrun_detect_cluster(environ: Mapping[str, str]) -> ClusterEnv | None:
 
 
 @hookspec(firstresult=True)
-def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str]) -> int | None:
+def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str],
+                   cluster: ClusterEnv | None) -> int | None:
     """Start the workers of this node, wait for them and return the exit code.
 
     Called once by ``distrun run`` in the launcher. Stops at first non-None result: a launcher
@@ -134,6 +135,8 @@ def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str
         target with its arguments).
     :param environ: the base environment for workers (``DISTRUN_CONFIG`` included); the launcher
         adds torchrun's variables per worker.
+    :param cluster: what ``distrun_detect_cluster`` answered for this launch (asked once, in
+        the launcher, before the config was resolved).
     :return: the exit code of the run (the first failing worker's, else 0).
     """
 
