@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib
 import pathlib
-import tomllib
 
 import pytest
+import tomllib
 
 from distrun.registry.catalogue import offered
 

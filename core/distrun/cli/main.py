@@ -35,7 +35,6 @@ from distrun.registry.manager import (
     known_plugin_names,
     make_plugin_manager,
     plugin_infos,
-    set_plugin_manager,
 )
 from distrun.spec.cluster import ClusterEnv
 from distrun.spec.errors import DistrunError, UsageError, closest
@@ -156,7 +155,7 @@ def build_cli(pm: Any, blocked: Sequence[str] = (), extra: Sequence[str] = ()) -
 
         click.echo(env_report(pm))
 
-    pm.hook.distrun_add_commands(cli=cli)
+    pm.hook.distrun_add_commands(cli=cli, pluginmanager=pm)
     return cli
 
 
@@ -193,7 +192,7 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
                     cluster: ClusterEnv | None = None) -> RunConfig:
     """Resolve the config in the launcher: sources, cluster facts (``cluster``, detected once
     by the caller), strategy and run folder."""
-    config = resolve_config(options, flags=flags, config_file=config_file)
+    config = resolve_config(options, flags=flags, config_file=config_file, pluginmanager=pm)
     config = apply_cluster_env(config, cluster)
     from distrun.launch.binding import addresses_of
     from distrun.launch.local import resolve_nproc
@@ -316,7 +315,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     blocked, extra, debug = _scan_plugin_flags(argv)
     try:
         pm = make_plugin_manager(blocked=blocked, extra=extra)
-        set_plugin_manager(pm)
         _warn_unknown_blocked(pm, blocked, extra)
         cli = build_cli(pm, blocked, extra)
         cli.main(args=argv, prog_name="distrun", standalone_mode=False)

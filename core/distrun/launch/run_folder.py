@@ -27,6 +27,7 @@ from distrun.launch.folder_lock import (
     remove_empty,
     run_key,
 )
+from distrun.registry.manager import manager_of
 from distrun.spec.errors import DistrunError
 from distrun.spec.markers import hookimpl
 
@@ -97,10 +98,9 @@ def distrun_launch(config, command, environ, cluster):
     worker starts: what was made for it is removed, so a rejected run leaves no folder.
     """
     from distrun.registry.collect import collect_options
-    from distrun.registry.manager import get_plugin_manager
 
     # The launcher has the declarations: group plugin options by plugin, with help.
-    options = collect_options(get_plugin_manager())
+    options = collect_options(manager_of(config))
     locks = []
     if owns_folders(config, cluster):
         locks = lock_run_folders(config, options, environ.get(RUN_KEY_ENV) or run_key())
@@ -174,9 +174,8 @@ def add_code_values(config: Any, path: str) -> None:
     if "code" not in config.sources.values() or not os.path.exists(path):
         return
     from distrun.registry.collect import collect_options
-    from distrun.registry.manager import get_plugin_manager
 
-    text = render_config(config, collect_options(get_plugin_manager()), header=_header(path))
+    text = render_config(config, collect_options(manager_of(config)), header=_header(path))
     _write_atomic(path, text)
 
 

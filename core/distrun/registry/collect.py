@@ -198,9 +198,9 @@ def resolve_run_config(code: dict[str, Any], world_size: int) -> RunConfig:
     """The run config of ``world_size`` processes from flags' sources and ``code`` values,
     checked and with its strategy chosen, as ``distrun run`` resolves it before any worker
     starts (for launchers that start workers from code: a notebook's cell)."""
-    from distrun.registry.manager import get_plugin_manager
+    from distrun.registry.manager import make_plugin_manager
 
-    pm = get_plugin_manager()
-    config = resolve_config(collect_options(pm), code=code)
+    pm = make_plugin_manager()
+    config = resolve_config(collect_options(pm), code=code, pluginmanager=pm)
     choose_strategy(config, world_size, collect_strategies(pm), pm.is_blocked)
     return config

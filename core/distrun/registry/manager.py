@@ -23,11 +23,10 @@ __all__ = [
     "PluginInfo",
     "blocked_implementers",
     "check_api_versions",
-    "get_plugin_manager",
     "known_plugin_names",
     "make_plugin_manager",
+    "manager_of",
     "plugin_infos",
-    "reset_plugin_manager",
 ]
 
 #: modules of the core registered on every manager, by plugin name
@@ -46,9 +45,6 @@ BUILTIN_PLUGINS = {
 AUTOLOAD_ENV = "DISTRUN_DISABLE_PLUGIN_AUTOLOAD"
 EXTRA_ENV = "DISTRUN_PLUGINS"
 BLOCK_ENV = "DISTRUN_BLOCK_PLUGINS"
-
-_pm: pluggy.PluginManager | None = None
-
 
 def _split(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
@@ -124,22 +120,11 @@ def check_api_versions(pm: pluggy.PluginManager) -> None:
             f"-p no:{name})")
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager, built on first use from the environment's settings."""
-    global _pm
-    if _pm is None:
-        _pm = make_plugin_manager()
-    return _pm
-
-
-def set_plugin_manager(pm: pluggy.PluginManager | None) -> None:
-    """Make ``pm`` the process-wide manager (the CLI does this after reading ``-p``)."""
-    global _pm
-    _pm = pm
-
-
-def reset_plugin_manager() -> None:
-    set_plugin_manager(None)
+def manager_of(config: Any) -> pluggy.PluginManager:
+    """The manager ``config`` travels with (``config.pluginmanager``), or, for a config built
+    without one (a bare ``RunConfig()``), a fresh one from the environment's settings."""
+    pm = getattr(config, "pluginmanager", None)
+    return pm if pm is not None else make_plugin_manager()
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from distrun.spec.markers import hookspec
 
 if TYPE_CHECKING:
     import click
+    import pluggy
     import torch
 
     from distrun.config.run_config import RunConfig
@@ -64,12 +65,14 @@ if TYPE_CHECKING:
 
 
 @hookspec
-def distrun_add_commands(cli: click.Group) -> None:
+def distrun_add_commands(cli: click.Group, pluginmanager: pluggy.PluginManager) -> None:
     """Add subcommands to the ``distrun`` command line.
 
     Called once when the CLI is built, in the launcher process. Any number of plugins.
 
     :param cli: the root ``click.Group``; call ``cli.add_command(...)``.
+    :param pluginmanager: the manager of this command line's plugins (a command that lists
+        or resolves options asks it).
     """
 
 

@@ -80,9 +80,9 @@ def prepare_backend(config: RunConfig, device_type: str | None = None,
     plugin's backend also becomes torch's default for its devices, so a plain script's
     ``init_process_group()`` (no backend named) uses it.
     """
-    from distrun.registry.manager import get_plugin_manager
+    from distrun.registry.manager import manager_of
 
-    backends = collect_backends(pm if pm is not None else get_plugin_manager())
+    backends = collect_backends(pm if pm is not None else manager_of(config))
     chosen = choose_backends(config, backends)
     if not chosen:
         return "nccl" if device_type == "cuda" else "gloo"
