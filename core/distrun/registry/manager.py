@@ -91,7 +91,7 @@ def make_plugin_manager(
     except pluggy.PluginValidationError as exc:
         raise UsageError(
             f"plugin {pm.get_name(exc.plugin)!r} implements a hook distrun does not have: {exc} "
-            "(check the hook's spelling against distrun.spec.hookspecs)"
+            "(check the hook's spelling against distrun's docs/hooks.md)"
         ) from None
     return pm
 
