@@ -16,7 +16,7 @@ from typing import Any
 from _multinode_plain import LINK_MODEL, link_data, mlp
 
 import distrun
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 
 WARMUP = int(os.environ.get("BENCH_WARMUP", "10"))
 STEPS = int(os.environ.get("BENCH_STEPS", "50"))

@@ -106,12 +106,12 @@ dist.destroy_process_group()
 PLUGIN = '''
 """Benchmark helper plugin: a gradient-averaging strategy, the kill and the timestamps."""
 import json, os, signal, time
-from distrun import StrategyInfo, hookimpl
+from distrun.plugin import StrategyInfo, hookimpl
 
 
 def _make(config):
     import torch.distributed as dist
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class GradSum(BaseStrategy):
         name = "benchsum"

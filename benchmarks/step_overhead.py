@@ -37,7 +37,7 @@ import tempfile
 import time
 from typing import Any
 
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 
 SIZES = {  # name: (input, hidden layers, classes)
     "tiny-50K": (128, [256, 64], 10),

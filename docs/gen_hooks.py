@@ -68,7 +68,7 @@ def generate() -> str:
         "",
         _markdown(inspect.cleandoc(hookspecs.__doc__ or "")),
         "",
-        "Implement a hook with `from distrun import hookimpl` and a module-level function of "
+        "Implement a hook with `from distrun.plugin import hookimpl` and a module-level function of "
         "the same name; see [Writing a plugin](writing-plugins.md).",
         "",
     ]

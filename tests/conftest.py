@@ -52,13 +52,10 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
     exit code is the ``SystemExit`` code of ``distrun.cli.main.main``, stdout and stderr are
     captured separately by ``CliRunner``. ``env`` is applied for the call only (``None`` values
     unset a variable), ``cwd`` too. An unexpected exception propagates and fails the test. The
-    process-wide plugin manager the command installs is put back afterwards, and the call may
-    not start a Python process (that is a launch: use ``run_cli``).
+    call may not start a Python process (that is a launch: use ``run_cli``).
     """
     from distrun.cli.main import main
-    from distrun.registry import manager
 
-    previous = manager._pm
     runner = CliRunner()
 
     def invoke(*args: str, cwd: str | os.PathLike | None = None,
@@ -84,14 +81,10 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
             finally:
                 sys.stdout.flush()  # the runner's text wrappers buffer
                 sys.stderr.flush()
-                manager.set_plugin_manager(previous)
             stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
         return CliResult(code, stdout, stderr)
 
-    try:
-        yield invoke
-    finally:
-        manager.set_plugin_manager(previous)
+    yield invoke
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

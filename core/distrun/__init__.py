@@ -9,12 +9,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from distrun._version import __version__
-from distrun.spec.backends import BackendInfo
 from distrun.spec.errors import DistrunError, UsageError
-from distrun.spec.markers import hookimpl, hookspec
-from distrun.spec.options import Option, plugin_options
-from distrun.spec.stash import Stash, StashKey
-from distrun.spec.strategy import StrategyInfo
+from distrun.spec.markers import hookimpl
 
 if TYPE_CHECKING:
     from distrun.config.run_config import RunConfig
@@ -22,24 +18,19 @@ if TYPE_CHECKING:
     from distrun.train.task import Task
     from distrun.train.trainer import Trainer
 
+# The users' API. ``hookimpl`` is here because a Task may implement hooks itself; what a
+# plugin author needs is in :mod:`distrun.plugin`.
 __all__ = [
-    "BackendInfo",
     "DistrunError",
-    "Option",
     "Run",
     "RunConfig",
-    "Stash",
-    "StashKey",
-    "StrategyInfo",
     "Task",
     "Trainer",
     "UsageError",
     "__version__",
     "fit",
     "hookimpl",
-    "hookspec",
     "log",
-    "plugin_options",
     "predict",
     "test",
     "validate",
@@ -53,12 +44,25 @@ _LAZY = {
 }
 
 
+#: plugin-author names this module used to export; they live in distrun.plugin now
+_MOVED = frozenset({"BackendInfo", "Option", "Stash", "StashKey", "StrategyInfo", "hookspec",
+                    "plugin_options"})
+
+
 def __getattr__(name: str) -> Any:
     # Torch-importing names load on first use so `distrun --help` stays torch-free.
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _MOVED:
+        import warnings
+
+        import distrun.plugin
+
+        warnings.warn(f"distrun.{name} moved to distrun.plugin.{name} (the plugin API)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(distrun.plugin, name)
     raise AttributeError(f"module 'distrun' has no attribute {name!r}")
 
 

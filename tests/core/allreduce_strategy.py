@@ -5,13 +5,13 @@ It proves the core loop, sampler and metric reduction on real gloo ranks without
 
 from __future__ import annotations
 
-from distrun import StrategyInfo, hookimpl
+from distrun.plugin import StrategyInfo, hookimpl
 
 
 def _factory(config):
     import torch.distributed as dist
 
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class AllReduce(BaseStrategy):
         name = "allreduce"

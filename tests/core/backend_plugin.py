@@ -10,7 +10,7 @@ worker's check and load, a plain script's ``init_process_group()`` and the mesh'
 
 from __future__ import annotations
 
-from distrun import BackendInfo, hookimpl
+from distrun.plugin import BackendInfo, hookimpl
 
 LOADS_FILE_ENV = "BACKEND_PLUGIN_LOADS"
 

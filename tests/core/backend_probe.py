@@ -14,12 +14,12 @@ if mode == "plain":
     dist.init_process_group()
 else:
     from distrun.config.parallel_dims import ParallelDims
-    from distrun.registry.manager import get_plugin_manager
+    from distrun.registry.manager import make_plugin_manager
     from distrun.strategies.mesh import build_mesh
     from distrun.strategies.process_group import init_process_group
     from distrun.train.trainer import worker_config
 
-    config = worker_config(get_plugin_manager())
+    config = worker_config(make_plugin_manager())
     init_process_group(config, torch.device("cpu"))
     mesh = build_mesh(ParallelDims(world_size=2, dp=1, tp=2), "cpu", timeout=7)
     tp = mesh.get_group("tp")

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from distrun import StashKey, hookimpl
+from distrun.plugin import StashKey, hookimpl
 
 #: the state dict captured at save time, for the test to compare after a restore
 SAVED: StashKey[dict[str, Any]] = StashKey("recorder.saved")
@@ -51,8 +51,8 @@ def distrun_detect_cluster(environ):
 
 
 @hookimpl(tryfirst=True)
-def distrun_launch(config, command, environ):
-    _record("distrun_launch")
+def distrun_launch(config, command, environ, cluster):
+    _record("distrun_launch", cluster=getattr(cluster, "name", None))
 
 
 @hookimpl

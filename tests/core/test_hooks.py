@@ -78,6 +78,9 @@ def test_hooks_fire_in_documented_order(recorded):
     worker = [short(r["hook"]) for r in recs if r["rank"] == 0]
     # Launcher: the CLI is built from the registration hooks, then detect, then launch.
     assert launcher.index("detect_cluster") < launcher.index("launch")
+    # Detected once per launch; the launchers are handed the answer (the core's "local").
+    assert launcher.count("detect_cluster") == 1, launcher
+    assert [r["cluster"] for r in recs if r["hook"] == "distrun_launch"] == ["local"]
     assert set(launcher[: launcher.index("detect_cluster")]) >= {"add_commands",
                                                                  "register_options"}
     seq = squeeze(worker)

@@ -76,11 +76,10 @@ def _two_rank_fit(rank, world, run_dir, accum):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_task import TinyTask
 
-    from distrun.registry import manager as plugins
+    from distrun.registry.manager import make_plugin_manager
 
-    plugins.set_plugin_manager(plugins.make_plugin_manager(autoload=False,
-                                                           extra=["allreduce_strategy"]))
-    run = Trainer(strategy="allreduce", max_steps=6, batch_size=32, grad_accum=accum,
+    pm = make_plugin_manager(autoload=False, extra=["allreduce_strategy"])
+    run = Trainer(plugin_manager=pm, strategy="allreduce", max_steps=6, batch_size=32, grad_accum=accum,
                   run_dir=run_dir, summary=False, log_every_n_steps=3).fit(TinyTask())
     return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run.metrics
 

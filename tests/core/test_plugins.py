@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
+import distrun
 from distrun.testing import run_cli
 
 PLUGIN_PY = '''
 """A third-party plugin: a strategy, an option and a hook that writes a marker file."""
 import os
-from distrun import Option, StrategyInfo, hookimpl
+from distrun.plugin import Option, StrategyInfo, hookimpl
 
 
 def _factory(config):
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class Hello(BaseStrategy):
         name = "hello"
@@ -136,3 +137,28 @@ def test_fresh_manager_fixture(distrun_pm):
     names = {name for name, plugin in distrun_pm.list_name_plugin() if plugin is not None}
     assert {"core", "single"} <= names <= set(BUILTIN_PLUGINS)
     assert distrun_pm.list_plugin_distinfo() == []  # no entry point was loaded
+
+
+class _FitStarts:
+    """A plugin object that counts the fits it sees."""
+
+    def __init__(self) -> None:
+        self.fits = 0
+
+    @distrun.hookimpl
+    def distrun_on_fit_start(self, run):
+        self.fits += 1
+
+
+def test_a_trainers_plugins_stay_with_that_trainer(distrun_pm, tmp_path):
+    """No process-global manager: a plugin given to one Trainer is not in the next one's."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_task import TinyTask
+
+    seen = _FitStarts()
+    first = distrun.Trainer(plugins=(seen,), max_steps=1, summary=False,
+                            run_dir=str(tmp_path / "a")).fit(TinyTask())
+    second = distrun.Trainer(max_steps=1, summary=False, run_dir=str(tmp_path / "b")).fit(
+        TinyTask())
+    assert seen.fits == 1
+    assert first.pm is not second.pm and not second.pm.is_registered(seen)

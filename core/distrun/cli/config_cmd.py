@@ -20,19 +20,14 @@ from distrun.spec.markers import hookimpl
 __all__ = ["render_toml", "template_toml"]
 
 
-def _pm() -> Any:
-    from distrun.registry.manager import get_plugin_manager
-
-    return get_plugin_manager()
-
-
 def _resolve(pm: Any, config_file: str | None, flags: Mapping[str, Any]) -> Any:
     """The config as ``distrun run`` resolves it in the launcher, minus the run target."""
     from distrun.config.run_config import resolve_config
-    from distrun.registry.collect import apply_cluster_env, collect_options
+    from distrun.registry.collect import apply_cluster_env, collect_options, detect_cluster
 
-    config = resolve_config(collect_options(pm), flags=flags, config_file=config_file)
-    config = apply_cluster_env(pm, config, dict(os.environ))
+    config = resolve_config(collect_options(pm), flags=flags, config_file=config_file,
+                            pluginmanager=pm)
+    config = apply_cluster_env(config, detect_cluster(pm, os.environ))
     return config
 
 
@@ -90,5 +85,5 @@ def _config_group(pm: Any) -> click.Group:
 
 
 @hookimpl
-def distrun_add_commands(cli):
-    cli.add_command(_config_group(_pm()))
+def distrun_add_commands(cli, pluginmanager):
+    cli.add_command(_config_group(pluginmanager))

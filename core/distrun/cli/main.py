@@ -18,6 +18,7 @@ from distrun.cli.run_checks import check_layout, check_stages, check_syntax
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun.config.run_dir import fresh_run_folder
 from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
+from distrun.registry.catalogue import offered
 from distrun.registry.collect import (
     apply_cluster_env,
     check_consumed,
@@ -26,6 +27,7 @@ from distrun.registry.collect import (
     collect_backends,
     collect_options,
     collect_strategies,
+    detect_cluster,
 )
 from distrun.registry.manager import (
     BLOCK_ENV,
@@ -33,23 +35,12 @@ from distrun.registry.manager import (
     known_plugin_names,
     make_plugin_manager,
     plugin_infos,
-    set_plugin_manager,
 )
+from distrun.spec.cluster import ClusterEnv
 from distrun.spec.errors import DistrunError, UsageError, closest
 
 __all__ = ["main", "build_cli"]
 
-#: flags of first-party plugins, so a missing plugin gets an install hint instead of a shrug
-PLUGIN_FLAGS = {
-    "--max-restarts": "distrun-elastic", "--max_restarts": "distrun-elastic",
-    "--rdzv-backend": "distrun-elastic", "--rdzv_backend": "distrun-elastic",
-    "--rdzv-endpoint": "distrun-elastic", "--rdzv_endpoint": "distrun-elastic",
-    "--rdzv-id": "distrun-elastic", "--rdzv_id": "distrun-elastic",
-    "--monitor-interval": "distrun-elastic", "--ddp-bucket-mb": "distrun-ddp",
-    "--ddp-comm-hook": "distrun-ddp", "--fsdp-reshard-after-forward": "distrun-fsdp",
-    "--tp-size": "distrun-tp", "--rpc-servers": "distrun-rpc", "--ckpt-every-n-steps":
-    "distrun-safetensors", "--precision": "distrun-amp", "--launcher": "distrun-ray",
-}
 
 
 def _scan_plugin_flags(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
@@ -92,7 +83,9 @@ def _option_to_click(opt: Any) -> click.Option:
                         metavar=opt.metavar or {int: "INT", float: "FLOAT"}.get(opt.type, "TEXT"))
 
 
-def build_cli(pm: Any) -> click.Group:
+def build_cli(pm: Any, blocked: Sequence[str] = (), extra: Sequence[str] = ()) -> click.Group:
+    """The ``distrun`` command of ``pm``'s plugins; ``blocked`` and ``extra`` are the ``-p``
+    flags ``main`` read, handed on to the workers of a launch."""
     @click.group(context_settings={"help_option_names": ["-h", "--help"]})
     @click.version_option(__version__, "--version", prog_name="distrun")
     @click.option("-p", "plugin_flags", multiple=True, metavar="NAME",
@@ -122,7 +115,8 @@ def build_cli(pm: Any) -> click.Group:
     def run_cmd(as_module: bool, config_file: str | None, plugin_flags: tuple[str, ...],
                 target: str, args: tuple[str, ...], **flags: Any) -> None:
         flags = {k: v for k, v in flags.items() if v is not None}
-        code = launch(pm, options, target, list(args), as_module, config_file, flags)
+        code = launch(pm, options, target, list(args), as_module, config_file, flags,
+                      blocked=blocked, extra=extra)
         sys.exit(code)
 
     for opt in options:
@@ -161,7 +155,7 @@ def build_cli(pm: Any) -> click.Group:
 
         click.echo(env_report(pm))
 
-    pm.hook.distrun_add_commands(cli=cli)
+    pm.hook.distrun_add_commands(cli=cli, pluginmanager=pm)
     return cli
 
 
@@ -194,10 +188,12 @@ def _default_name(target: str) -> str:
 
 
 def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
-                    flags: dict[str, Any], as_module: bool = False) -> RunConfig:
-    """Resolve the config in the launcher: sources, cluster facts, strategy and run folder."""
-    config = resolve_config(options, flags=flags, config_file=config_file)
-    config = apply_cluster_env(pm, config, dict(os.environ))
+                    flags: dict[str, Any], as_module: bool = False,
+                    cluster: ClusterEnv | None = None) -> RunConfig:
+    """Resolve the config in the launcher: sources, cluster facts (``cluster``, detected once
+    by the caller), strategy and run folder."""
+    config = resolve_config(options, flags=flags, config_file=config_file, pluginmanager=pm)
+    config = apply_cluster_env(config, cluster)
     from distrun.launch.binding import addresses_of
     from distrun.launch.local import resolve_nproc
 
@@ -241,7 +237,6 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     config = with_values(config, **fill) if fill else config
     # One launcher decides alone only on one node: launchers of several nodes (or one per rank,
     # under srun or torchrun) would each see the others' folder and choose differently.
-    cluster = pm.hook.distrun_detect_cluster(environ=dict(os.environ))
     if config.nnodes in ("1", "1:1") and not getattr(cluster, "per_process", False):
         config = fresh_run_folder(config, say=True)
     return config
@@ -272,27 +267,29 @@ def _command(config: RunConfig, target: str, args: list[str], as_module: bool) -
 
 
 def launch(pm: Any, options: Any, target: str, args: list[str], as_module: bool,
-           config_file: str | None, flags: dict[str, Any]) -> int:
-    config = launcher_config(pm, options, target, config_file, flags, as_module)
+           config_file: str | None, flags: dict[str, Any], blocked: Sequence[str] = (),
+           extra: Sequence[str] = ()) -> int:
+    cluster = detect_cluster(pm, os.environ)  # once per launch: the launchers get the answer
+    config = launcher_config(pm, options, target, config_file, flags, as_module, cluster)
     command = _command(config, target, args, as_module)
     environ = dict(os.environ)
     environ[CONFIG_ENV] = config.to_json()
     # every process of this run, restarts included; on several nodes, the same on each node
     environ[RUN_KEY_ENV] = new_run_key() if config.nnodes in ("1", "1:1") else \
         new_run_key(config.name, config.master_addr, config.master_port)
-    blocked, extra, _ = _scan_plugin_flags(sys.argv[1:])
     if blocked:
         environ[BLOCK_ENV] = ",".join(blocked)
     if extra:
         environ[EXTRA_ENV] = ",".join(extra)
-    code = pm.hook.distrun_launch(config=config, command=command, environ=environ)
+    code = pm.hook.distrun_launch(config=config, command=command, environ=environ,
+                                  cluster=cluster)
     return int(code or 0)
 
 
 def _plugin_hint(exc: click.UsageError) -> str:
     """For an unknown flag a first-party plugin would add: the pip command that adds it."""
     if isinstance(exc, click.NoSuchOption):
-        dist = PLUGIN_FLAGS.get(exc.option_name.split("=", 1)[0])
+        dist = offered("flags").get(exc.option_name.split("=", 1)[0])
         if dist:
             return f" ({exc.option_name} comes with {dist}: pip install {dist})"
     return ""
@@ -318,9 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     blocked, extra, debug = _scan_plugin_flags(argv)
     try:
         pm = make_plugin_manager(blocked=blocked, extra=extra)
-        set_plugin_manager(pm)
         _warn_unknown_blocked(pm, blocked, extra)
-        cli = build_cli(pm)
+        cli = build_cli(pm, blocked, extra)
         cli.main(args=argv, prog_name="distrun", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

@@ -198,6 +198,10 @@ class RunConfig:
     # --- plugin options and provenance (not flags) ---------------------------------------
     plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: the plugin manager whose plugins declared the options (pytest's config.pluginmanager):
+    #: it travels with the config instead of living in a process global. Not data: never
+    #: serialized or compared, and None in a config built without plugins.
+    pluginmanager: Any = field(default=None, compare=False, repr=False)
 
     def __getattr__(self, name: str) -> Any:
         opts = self.__dict__.get("plugin_options", {})
@@ -260,12 +264,14 @@ def resolve_config(
     code: Mapping[str, Any] | None = None,
     inherited: Mapping[str, Any] | None = None,
     inherited_sources: Mapping[str, str] | None = None,
+    pluginmanager: Any = None,
 ) -> RunConfig:
     """Merge every source into a validated :class:`RunConfig`.
 
     ``flags`` are raw values the user typed (name -> str); ``inherited`` are values a launcher
     already resolved (from ``DISTRUN_CONFIG``), which rank like flags and keep the sources the
-    launcher saw (``inherited_sources``).
+    launcher saw (``inherited_sources``). ``pluginmanager``: the manager whose plugins gave
+    ``options``, kept on the config (``config.pluginmanager``).
     """
     opts = {o.name: o for o in options}
     environ = os.environ if environ is None else environ
@@ -299,7 +305,7 @@ def resolve_config(
     core = {k: v for k, v in values.items() if k in _CORE_NAMES}
     plugin = {n: values.get(n, o.default) for n, o in opts.items() if n not in _CORE_NAMES}
     config = RunConfig(**core, plugin_options=MappingProxyType(plugin),
-                       sources=MappingProxyType(sources))
+                       sources=MappingProxyType(sources), pluginmanager=pluginmanager)
     _check(config)
     return config
 

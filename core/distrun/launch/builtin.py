@@ -18,7 +18,8 @@ def distrun_detect_cluster(environ: dict[str, str]) -> ClusterEnv:
 
 
 @hookimpl(trylast=True)
-def distrun_launch(config: Any, command: list[str], environ: dict[str, str]) -> int:
+def distrun_launch(config: Any, command: list[str], environ: dict[str, str],
+                   cluster: ClusterEnv | None) -> int:
     from distrun.launch.local import launch_local
 
-    return launch_local(config, command, environ)
+    return launch_local(config, command, environ, cluster)

@@ -274,10 +274,12 @@ def node_layout(config: RunConfig) -> tuple[int, int]:
     return resolve_nproc(config.nproc_per_node), nnodes
 
 
-def launch_local(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
-    cluster = per_process_cluster(config, environ)
-    if cluster is not None:
-        return launch_in_place(config, command, environ, cluster)
+def launch_local(config: RunConfig, command: list[str], environ: dict[str, str],
+                 cluster: Any = None) -> int:
+    """Start this node's workers (or, under srun/mpirun, be the one rank ``cluster`` names)."""
+    in_place = per_process_cluster(config, cluster)
+    if in_place is not None:
+        return launch_in_place(config, command, environ, in_place)
     nproc, nnodes = node_layout(config)
     warn_oversubscribed(nproc)
     addr, port = config.master_addr, config.master_port
@@ -341,14 +343,11 @@ _AGENT_VARS = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS")
 
 
-def per_process_cluster(config: RunConfig, environ: Mapping[str, str]) -> Any:
-    """The detected cluster when its scheduler started one launcher per rank (srun, mpirun).
-
-    None when it did not, or when the user chose the layout (``--nproc-per-node`` etc.).
+def per_process_cluster(config: RunConfig, cluster: Any) -> Any:
+    """``cluster`` (the detected one) when its scheduler started one launcher per rank (srun,
+    mpirun). None when it did not, or when the user chose the layout (``--nproc-per-node``
+    etc.).
     """
-    from distrun.registry.manager import get_plugin_manager
-
-    cluster = get_plugin_manager().hook.distrun_detect_cluster(environ=dict(environ))
     if cluster is None or not cluster.per_process or None in (cluster.rank, cluster.world_size):
         return None
     if any(not config.sources.get(k, "cluster:").startswith("cluster:") for k in _LAYOUT_FIELDS):

@@ -27,6 +27,7 @@ from distrun.launch.folder_lock import (
     remove_empty,
     run_key,
 )
+from distrun.registry.manager import manager_of
 from distrun.spec.errors import DistrunError
 from distrun.spec.markers import hookimpl
 
@@ -89,7 +90,7 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
 
 
 @hookimpl(wrapper=True)
-def distrun_launch(config, command, environ):
+def distrun_launch(config, command, environ, cluster):
     """Lock the run's folders, write ``config.toml``, launch; undo both if it never started.
 
     The launcher knows every value's source, and runs for torchrun scripts too. A launch that
@@ -97,12 +98,11 @@ def distrun_launch(config, command, environ):
     worker starts: what was made for it is removed, so a rejected run leaves no folder.
     """
     from distrun.registry.collect import collect_options
-    from distrun.registry.manager import get_plugin_manager
 
     # The launcher has the declarations: group plugin options by plugin, with help.
-    options = collect_options(get_plugin_manager())
+    options = collect_options(manager_of(config))
     locks = []
-    if owns_folders(config, environ):
+    if owns_folders(config, cluster):
         locks = lock_run_folders(config, options, environ.get(RUN_KEY_ENV) or run_key())
     written, before, made = None, None, None
     started = False
@@ -125,14 +125,14 @@ def distrun_launch(config, command, environ):
             remove_empty(config.run_dir, made)
 
 
-def owns_folders(config: Any, environ: dict[str, str]) -> bool:
+def owns_folders(config: Any, cluster: Any) -> bool:
     """True when this launcher holds the run's folder locks: it alone runs the run's node.
 
     Across nodes, or with one launcher per rank (srun, mpirun), rank 0's worker holds them.
     """
     from distrun.launch.local import per_process_cluster
 
-    return config.nnodes in ("1", "1:1") and per_process_cluster(config, environ) is None
+    return config.nnodes in ("1", "1:1") and per_process_cluster(config, cluster) is None
 
 
 def _read(path: str) -> str | None:
@@ -174,9 +174,8 @@ def add_code_values(config: Any, path: str) -> None:
     if "code" not in config.sources.values() or not os.path.exists(path):
         return
     from distrun.registry.collect import collect_options
-    from distrun.registry.manager import get_plugin_manager
 
-    text = render_config(config, collect_options(get_plugin_manager()), header=_header(path))
+    text = render_config(config, collect_options(manager_of(config)), header=_header(path))
     _write_atomic(path, text)
 
 

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import pluggy
 
-from distrun.config.run_config import RunConfig, core_options
+from distrun.config.run_config import RunConfig, core_options, resolve_config
+from distrun.registry.catalogue import offered
 from distrun.spec.backends import BackendInfo, parse_backend
+from distrun.spec.cluster import ClusterEnv
 from distrun.spec.errors import UsageError, closest, suggest
 from distrun.spec.options import Option
 from distrun.spec.strategy import StrategyInfo
 
-__all__ = ["FIRST_PARTY", "FIRST_PARTY_BACKENDS", "apply_cluster_env", "check_consumed",
+__all__ = ["apply_cluster_env", "check_consumed", "detect_cluster",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
-           "collect_strategies"]
+           "collect_strategies", "resolve_run_config"]
 
-#: first-party names a user may ask for before installing them: name -> distribution
-FIRST_PARTY = {
-    "ddp": "distrun-ddp", "dp": "distrun-dp", "fsdp": "distrun-fsdp", "tp": "distrun-tp",
-    "rpc": "distrun-rpc", "pp": "distrun-pipeline", "pp+ddp": "distrun-pipeline",
-    "pp+fsdp": "distrun-pipeline",
-}
-
-#: first-party backends a user may ask for before installing them: name -> distribution
-FIRST_PARTY_BACKENDS = {"shm": "distrun-shm"}
 
 
 #: per manager: the plugins it had and the options they declared (asked once per plugin set)
@@ -87,11 +80,12 @@ def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
         info = backends.get(name)
         if info is None:
             installed = ", ".join(sorted(backends))
-            known = [*backends, *FIRST_PARTY_BACKENDS]
-            hint = "" if name in FIRST_PARTY_BACKENDS else suggest(name, known)
-            wanted = name if name in FIRST_PARTY_BACKENDS else closest(name, known)
-            install = (f" Install it with: pip install {FIRST_PARTY_BACKENDS[wanted]}"
-                       if wanted in FIRST_PARTY_BACKENDS else "")
+            catalogue = offered("backends")
+            known = [*backends, *catalogue]
+            hint = "" if name in catalogue else suggest(name, known)
+            wanted = name if name in catalogue else closest(name, known)
+            install = (f" Install it with: pip install {catalogue[wanted]}"
+                       if wanted in catalogue else "")
             hint = hint or "."
             raise UsageError(f"unknown backend '{name}'{hint} Installed: {installed}.{install}")
         if device != "*" and device not in info.devices:
@@ -129,8 +123,8 @@ def choose_strategy(config: RunConfig, world_size: int | None,
         return strategies["single"]
     if name in strategies:
         return strategies[name]
-    owners = [name] + ([FIRST_PARTY[name].removeprefix("distrun-")] if name in FIRST_PARTY
-                       else [])
+    catalogue = offered("strategies")
+    owners = [name] + ([catalogue[name].removeprefix("distrun-")] if name in catalogue else [])
     blocked = [p for p in owners if is_blocked is not None and is_blocked(p)]
     if blocked:
         plugin = blocked[0]
@@ -138,28 +132,31 @@ def choose_strategy(config: RunConfig, world_size: int | None,
                          f"(-p no:{plugin} or DISTRUN_BLOCK_PLUGINS); unblock it to use "
                          f"--strategy {name}")
     installed = ", ".join(sorted(strategies))
-    hint = suggest(name, [*strategies, *FIRST_PARTY])
-    wanted = name if name in FIRST_PARTY else closest(name, [*strategies, *FIRST_PARTY])
-    install = (f" Install it with: pip install {FIRST_PARTY[wanted]}"
-               if wanted in FIRST_PARTY and wanted not in strategies else "")
+    hint = suggest(name, [*strategies, *catalogue])
+    wanted = name if name in catalogue else closest(name, [*strategies, *catalogue])
+    install = (f" Install it with: pip install {catalogue[wanted]}"
+               if wanted in catalogue and wanted not in strategies else "")
     raise UsageError(f"unknown strategy '{name}'{hint} Installed: {installed}.{install}")
 
 
-def apply_cluster_env(pm: pluggy.PluginManager, config: RunConfig,
-                      environ: dict[str, str]) -> RunConfig:
+def detect_cluster(pm: pluggy.PluginManager, environ: Mapping[str, str]) -> ClusterEnv | None:
+    """Where this launcher sits (``distrun_detect_cluster``); a launch asks once and hands the
+    answer on (to ``distrun_launch`` as ``cluster``)."""
+    return cast("ClusterEnv | None", pm.hook.distrun_detect_cluster(environ=dict(environ)))
+
+
+def apply_cluster_env(config: RunConfig, cluster: ClusterEnv | None) -> RunConfig:
     """Fill the layout fields the user left unset from the detected cluster environment."""
     from distrun.config.run_config import with_values
 
-    cluster = pm.hook.distrun_detect_cluster(environ=environ)
+    if cluster is None:
+        return config
     fill = {}
-    if cluster is not None:
-        for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
-            value = getattr(cluster, key)
-            if value is not None and key not in config.sources:
-                fill[key] = str(value) if key == "nnodes" else value
-    if fill:
-        config = with_values(config, source=f"cluster:{cluster.name}", **fill)
-    return config
+    for key in ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node"):
+        value = getattr(cluster, key)
+        if value is not None and key not in config.sources:
+            fill[key] = str(value) if key == "nnodes" else value
+    return with_values(config, source=f"cluster:{cluster.name}", **fill) if fill else config
 
 
 def check_consumed(pm: pluggy.PluginManager, options: list[Option], config: RunConfig) -> None:
@@ -195,3 +192,15 @@ def check_consumed(pm: pluggy.PluginManager, options: list[Option], config: RunC
             f"{opt.flag} {value}: no plugin reads it: no installed plugin implements "
             f"{opt.consumer} (install one that does: `distrun plugins` lists the installed "
             f"ones and their hooks), or drop {opt.flag}")
+
+
+def resolve_run_config(code: dict[str, Any], world_size: int) -> RunConfig:
+    """The run config of ``world_size`` processes from flags' sources and ``code`` values,
+    checked and with its strategy chosen, as ``distrun run`` resolves it before any worker
+    starts (for launchers that start workers from code: a notebook's cell)."""
+    from distrun.registry.manager import make_plugin_manager
+
+    pm = make_plugin_manager()
+    config = resolve_config(collect_options(pm), code=code, pluginmanager=pm)
+    choose_strategy(config, world_size, collect_strategies(pm), pm.is_blocked)
+    return config

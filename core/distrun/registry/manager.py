@@ -17,16 +17,16 @@ import pluggy
 
 from distrun.spec import hookspecs
 from distrun.spec.errors import UsageError
-from distrun.spec.markers import ENTRY_POINT_GROUP, PROJECT
+from distrun.spec.markers import API_ATTRIBUTE, API_VERSION, ENTRY_POINT_GROUP, PROJECT
 
 __all__ = [
     "PluginInfo",
     "blocked_implementers",
-    "get_plugin_manager",
+    "check_api_versions",
     "known_plugin_names",
     "make_plugin_manager",
+    "manager_of",
     "plugin_infos",
-    "reset_plugin_manager",
 ]
 
 #: modules of the core registered on every manager, by plugin name
@@ -45,9 +45,6 @@ BUILTIN_PLUGINS = {
 AUTOLOAD_ENV = "DISTRUN_DISABLE_PLUGIN_AUTOLOAD"
 EXTRA_ENV = "DISTRUN_PLUGINS"
 BLOCK_ENV = "DISTRUN_BLOCK_PLUGINS"
-
-_pm: pluggy.PluginManager | None = None
-
 
 def _split(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
@@ -88,32 +85,46 @@ def make_plugin_manager(
         except ImportError as exc:
             raise UsageError(f"cannot import plugin module {module!r}: {exc}") from None
         pm.register(mod, name=module)
+    check_api_versions(pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise UsageError(
             f"plugin {pm.get_name(exc.plugin)!r} implements a hook distrun does not have: {exc} "
-            "(check the hook's spelling against distrun.spec.hookspecs)"
+            "(check the hook's spelling against distrun's docs/hooks.md)"
         ) from None
     return pm
 
 
-def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager, built on first use from the environment's settings."""
-    global _pm
-    if _pm is None:
-        _pm = make_plugin_manager()
-    return _pm
+def check_api_versions(pm: pluggy.PluginManager) -> None:
+    """Refuse a plugin written for another plugin API than this distrun's, in one line.
+
+    A plugin states its API as ``DISTRUN_PLUGIN_API = N`` in the module it registers; one that
+    states none was written before the API had a version and is taken as version 1. Checked
+    before ``check_pending``, so a plugin for a newer API is told as that, not as a hook typo.
+    """
+    from distrun._version import __version__
+
+    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    for name, plugin in pm.list_name_plugin():
+        wanted = getattr(plugin, API_ATTRIBUTE, API_VERSION) if plugin is not None else None
+        if wanted is None or wanted == API_VERSION:
+            continue
+        dist = dists.get(id(plugin))
+        where = f" ({dist.project_name} {dist.version})" if dist is not None else ""
+        fix = (f"install a {dist.project_name} release for API {API_VERSION}"
+               if dist is not None else f"update it to API {API_VERSION}")
+        raise UsageError(
+            f"plugin {name!r}{where} is written for distrun plugin API {wanted!r}, but distrun "
+            f"{__version__} provides plugin API {API_VERSION} ({fix}, or block it with "
+            f"-p no:{name})")
 
 
-def set_plugin_manager(pm: pluggy.PluginManager | None) -> None:
-    """Make ``pm`` the process-wide manager (the CLI does this after reading ``-p``)."""
-    global _pm
-    _pm = pm
-
-
-def reset_plugin_manager() -> None:
-    set_plugin_manager(None)
+def manager_of(config: Any) -> pluggy.PluginManager:
+    """The manager ``config`` travels with (``config.pluginmanager``), or, for a config built
+    without one (a bare ``RunConfig()``), a fresh one from the environment's settings."""
+    pm = getattr(config, "pluginmanager", None)
+    return pm if pm is not None else make_plugin_manager()
 
 
 @dataclass(frozen=True)

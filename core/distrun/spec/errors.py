@@ -5,7 +5,11 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["DistrunError", "UsageError", "closest", "first_line", "suggest"]
+__all__ = ["EXIT_REQUEUE", "DistrunError", "UsageError", "closest", "first_line", "suggest"]
+
+#: exit code after a preemption checkpoint: 128+SIGTERM, which schedulers (Kubernetes
+#: PyTorchJob's ExitCode policy, SLURM --requeue scripts) treat as retryable
+EXIT_REQUEUE = 143
 
 
 class DistrunError(Exception):

@@ -48,6 +48,7 @@ from distrun.spec.markers import hookspec
 
 if TYPE_CHECKING:
     import click
+    import pluggy
     import torch
 
     from distrun.config.run_config import RunConfig
@@ -64,12 +65,14 @@ if TYPE_CHECKING:
 
 
 @hookspec
-def distrun_add_commands(cli: click.Group) -> None:
+def distrun_add_commands(cli: click.Group, pluginmanager: pluggy.PluginManager) -> None:
     """Add subcommands to the ``distrun`` command line.
 
     Called once when the CLI is built, in the launcher process. Any number of plugins.
 
     :param cli: the root ``click.Group``; call ``cli.add_command(...)``.
+    :param pluginmanager: the manager of this command line's plugins (a command that lists
+        or resolves options asks it).
     """
 
 
@@ -122,7 +125,8 @@ def distrun_detect_cluster(environ: Mapping[str, str]) -> ClusterEnv | None:
 
 
 @hookspec(firstresult=True)
-def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str]) -> int | None:
+def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str],
+                   cluster: ClusterEnv | None) -> int | None:
     """Start the workers of this node, wait for them and return the exit code.
 
     Called once by ``distrun run`` in the launcher. Stops at first non-None result: a launcher
@@ -134,6 +138,8 @@ def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str
         target with its arguments).
     :param environ: the base environment for workers (``DISTRUN_CONFIG`` included); the launcher
         adds torchrun's variables per worker.
+    :param cluster: what ``distrun_detect_cluster`` answered for this launch (asked once, in
+        the launcher, before the config was resolved).
     :return: the exit code of the run (the first failing worker's, else 0).
     """
 

@@ -80,9 +80,9 @@ def prepare_backend(config: RunConfig, device_type: str | None = None,
     plugin's backend also becomes torch's default for its devices, so a plain script's
     ``init_process_group()`` (no backend named) uses it.
     """
-    from distrun.registry.manager import get_plugin_manager
+    from distrun.registry.manager import manager_of
 
-    backends = collect_backends(pm if pm is not None else get_plugin_manager())
+    backends = collect_backends(pm if pm is not None else manager_of(config))
     chosen = choose_backends(config, backends)
     if not chosen:
         return "nccl" if device_type == "cuda" else "gloo"
@@ -98,16 +98,27 @@ def prepare_backend(config: RunConfig, device_type: str | None = None,
                 f"{info.devices[0]}:{info.name},{device_type}:{other}, or --device "
                 f"{info.devices[0]})")
         if info.load is not None:
-            for dev in info.devices:
-                dist.Backend.default_device_backend_map[dev] = info.name
+            _make_torch_default(info.devices, info.name)
         return info.name
     names = {dev: info.name for dev, info in chosen.items()}
     if device_type is not None and device_type not in names:
         names[device_type] = dist.Backend.default_device_backend_map.get(device_type, "gloo")
     for dev, info in chosen.items():
         if info.load is not None:
-            dist.Backend.default_device_backend_map[dev] = info.name
+            _make_torch_default((dev,), info.name)
     return ",".join(f"{dev}:{name}" for dev, name in names.items())
+
+
+def _make_torch_default(devices: tuple[str, ...], name: str) -> None:
+    """Make the plugin backend ``name`` torch's default for ``devices``, so a plain script's
+    ``init_process_group()`` that names no backend joins on the one ``--backend`` chose.
+
+    The one place distrun changes torch's state for a backend: ``init_process_group`` without
+    a backend reads the class attribute ``Backend.default_device_backend_map``, and torch has
+    no public setter or per-process default to use instead.
+    """
+    for dev in devices:
+        dist.Backend.default_device_backend_map[dev] = name
 
 
 def _make_available(info: BackendInfo, backends: dict[str, BackendInfo]) -> None:

@@ -101,18 +101,12 @@ def backend_plugins(backend: str | None = None) -> list[str]:
 
 def only_plugins(modules: str) -> None:
     """Run this process's next fits with only the plugin ``modules`` (comma-separated), plus
-    those offering ``$DISTRUN_BACKEND``'s backends, on a fresh plugin manager (no earlier
-    fit's plugin objects)."""
-    from distrun.registry.manager import (
-        AUTOLOAD_ENV,
-        EXTRA_ENV,
-        make_plugin_manager,
-        set_plugin_manager,
-    )
+    those offering ``$DISTRUN_BACKEND``'s backends: every Trainer builds its own manager from
+    these settings (entry points off, ``DISTRUN_PLUGINS``)."""
+    from distrun.registry.manager import AUTOLOAD_ENV, EXTRA_ENV
 
     os.environ[AUTOLOAD_ENV] = "1"
     os.environ[EXTRA_ENV] = ",".join([modules, *backend_plugins()])
-    set_plugin_manager(make_plugin_manager())
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
@@ -235,17 +229,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
 
 
 @pytest.fixture
-def distrun_pm() -> Iterator[Any]:
-    """A fresh plugin manager (built-ins only, no entry points), process-wide for the test."""
-    from distrun.registry import manager as plugins
+def distrun_pm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh plugin manager (built-ins only, no entry points); for the test, the managers
+    Trainers build in this process load no entry points either (pass this one as
+    ``Trainer(plugin_manager=distrun_pm)`` to share its plugins)."""
+    from distrun.registry.manager import AUTOLOAD_ENV, make_plugin_manager
 
-    previous = plugins._pm
-    pm = plugins.make_plugin_manager(autoload=False)
-    plugins.set_plugin_manager(pm)
-    try:
-        yield pm
-    finally:
-        plugins.set_plugin_manager(previous)
+    monkeypatch.setenv(AUTOLOAD_ENV, "1")
+    return make_plugin_manager(autoload=False)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ __all__ = ["rng_state", "seed_everything", "set_rng_state"]
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's (every device's) and, when installed, numpy's RNGs."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distrun.launch.generation import read_generation
+from distrun.spec.errors import EXIT_REQUEUE
 from distrun.spec.stash import Stash
 
 if TYPE_CHECKING:
@@ -22,9 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_REQUEUE", "Progress", "Run"]
 
-#: exit code after a preemption checkpoint: 128+SIGTERM, which schedulers (Kubernetes
-#: PyTorchJob's ExitCode policy, SLURM --requeue scripts) treat as retryable
-EXIT_REQUEUE = 143
 
 log = logging.getLogger("distrun")
 
@@ -118,10 +116,6 @@ class Run:
     @property
     def device(self) -> torch.device:
         return self.strategy.device
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return os.path.join(self.run_dir, "checkpoints")
 
     def unwrapped_model(self) -> torch.nn.Module:
         """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""

@@ -112,10 +112,13 @@ def step_schedulers(schedulers: list[Scheduled], interval: str, count: int,
 
 
 def scheduler_states(schedulers: list[Scheduled]) -> list[Any]:
+    """The ``state_dict`` of each of the run's schedulers that has one, in order."""
     return [s.scheduler.state_dict() for s in schedulers if hasattr(s.scheduler, "state_dict")]
 
 
 def load_scheduler_states(schedulers: list[Scheduled], states: list[Any]) -> None:
+    """Give each stateful scheduler back its state from :func:`scheduler_states`; a count
+    that differs is a one-line :class:`UsageError`."""
     stateful = [s for s in schedulers if hasattr(s.scheduler, "load_state_dict")]
     if len(states) != len(stateful):
         raise UsageError(f"the checkpoint holds {len(states)} scheduler state(s) but the task has "

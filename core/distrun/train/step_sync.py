@@ -60,7 +60,7 @@ MetricsPacker = Callable[[int], tuple[torch.Tensor, Callable[[torch.Tensor], Non
 class StepSync(Joinable):
     """The collectives every rank runs at a step boundary, in one place (see module doc)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, pack_metrics: MetricsPacker | None = None) -> None:
         super().__init__()
         self.run = run
         self.strategy = run.strategy
@@ -83,8 +83,8 @@ class StepSync(Joinable):
         #: log steps: the loop packs its metrics there (joined ranks pack their empty window)
         self.log_every = run.config.log_every_n_steps
         self.grad_accum = run.config.grad_accum
-        #: set by the loop: the metrics of a log step
-        self.pack_metrics: MetricsPacker | None = None
+        #: the loop's metrics of a log step (None: this sync logs nothing, it only votes)
+        self.pack_metrics = pack_metrics
 
     # -- the loop's side -------------------------------------------------------------------
     def local_request(self) -> int:

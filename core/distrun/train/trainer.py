@@ -15,7 +15,7 @@ from typing import Any, NoReturn, cast
 from distrun.config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun.launch.folder_lock import lock_run_folders, release_all, run_key
 from distrun.registry.collect import check_consumed, collect_options
-from distrun.registry.manager import get_plugin_manager
+from distrun.registry.manager import make_plugin_manager
 from distrun.spec.errors import DistrunError, UsageError, first_line
 from distrun.spec.stash import StashKey
 from distrun.train.run import EXIT_REQUEUE, Run
@@ -38,7 +38,7 @@ def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
         payload = json.loads(os.environ[CONFIG_ENV])
         inherited, sources = payload["values"], payload.get("sources")
     config = resolve_config(collect_options(pm), code=code, inherited=inherited,
-                            inherited_sources=sources)
+                            inherited_sources=sources, pluginmanager=pm)
     if not config.run_dir:
         from distrun.config.run_config import with_values
         from distrun.config.run_dir import fresh_run_folder
@@ -90,10 +90,13 @@ class Trainer:
     """
 
     def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
-                 **options: Any) -> None:
+                 plugin_manager: Any = None, **options: Any) -> None:
         self._config = config
         self._options = options
         self._plugins = plugins
+        #: this trainer's plugins (built from the environment's settings on first use:
+        #: entry points, DISTRUN_PLUGINS, DISTRUN_BLOCK_PLUGINS); never a process global
+        self._pm = plugin_manager
         self._run: Run | None = None  # the open session: its strategy and model are live
         self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
 
@@ -157,7 +160,10 @@ class Trainer:
         self.close()
         _setup_logging(int(os.environ.get("RANK", "0")))
         try:
-            pm = get_plugin_manager()
+            if self._pm is None:
+                self._pm = (self._config.pluginmanager if self._config is not None else None) \
+                    or make_plugin_manager()
+            pm = self._pm
             for plugin in self._plugins:
                 if not pm.is_registered(plugin):
                     pm.register(plugin)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from distrun import StrategyInfo, hookimpl, plugin_options
+from distrun.plugin import StrategyInfo, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: communication hooks ``--ddp-comm-hook`` accepts
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")

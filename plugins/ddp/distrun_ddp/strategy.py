@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from distrun.strategies.base import BaseStrategy
+from distrun.plugin import BaseStrategy
 from distrun_ddp.comm_hooks import register_comm_hook
 
 if TYPE_CHECKING:
-    from distrun.train.run import Run
+    from distrun.plugin import Run
 
 __all__ = ["DDPStrategy"]
 

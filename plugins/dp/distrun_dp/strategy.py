@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distrun.spec.errors import UsageError
-from distrun.strategies.base import BaseStrategy
+from distrun.plugin import BaseStrategy, UsageError
 
 if TYPE_CHECKING:
-    from distrun.train.run import Run
+    from distrun.plugin import Run
 
 __all__ = ["DataParallelStrategy", "CPU_WARNING"]
 

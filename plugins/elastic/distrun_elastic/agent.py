@@ -47,14 +47,21 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from distrun.launch.binding import interface_addresses, listen_socket, resolve, server_env
-from distrun.launch.exits import ExitWatch, exit_code
-from distrun.launch.generation import GENERATION_ENV
-from distrun.launch.lifeline import LAUNCHER_PID_ENV
-from distrun.launch.relay import report_failure
-from distrun.spec.errors import DistrunError, UsageError
-from distrun.train.run import EXIT_REQUEUE
-from distrun.train.store_host import serve_store
+from distrun.plugin import (
+    EXIT_REQUEUE,
+    GENERATION_ENV,
+    LAUNCHER_PID_ENV,
+    DistrunError,
+    ExitWatch,
+    UsageError,
+    exit_code,
+    interface_addresses,
+    listen_socket,
+    report_failure,
+    resolve_host,
+    serve_store,
+    server_env,
+)
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
@@ -340,7 +347,7 @@ def _serve_rendezvous_store(plan: ElasticPlan) -> str:
     said = plan.rdzv_configs.get("is_host")
     if said is not None and said.strip().lower() not in ("1", "true", "t", "yes", "y", "on"):
         return plan.rdzv_endpoint
-    address = resolve(host)
+    address = resolve_host(host)
     if plan.max_nodes > 1 and (address is None or not (
             ipaddress.ip_address(address).is_loopback
             or address in interface_addresses().values())):

@@ -6,7 +6,9 @@ The launch hook answers only when the config asks for elasticity (see
 
 from __future__ import annotations
 
-from distrun import hookimpl, plugin_options
+from distrun.plugin import hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "elastic"
 
@@ -43,7 +45,7 @@ def distrun_launch(config, command, environ):
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
-    from distrun.launch.local import warn_oversubscribed
+    from distrun.plugin import warn_oversubscribed
     from distrun_elastic.agent import launch_elastic
 
     warn_oversubscribed(plan.nproc_per_node)

@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 
-from distrun.launch.relay import RankOutput
-from distrun.launch.relay import Relay as LineRelay
+from distrun.plugin import RankOutput
+from distrun.plugin import Relay as LineRelay
 
 __all__ = ["Relay"]
 

@@ -27,11 +27,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.launch.binding import bind_address
-from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
-from distrun.launch.ports import free_port
-from distrun.spec.errors import UsageError
+from distrun.plugin import (
+    CONFIG_ENV,
+    RUN_KEY_ENV,
+    RunConfig,
+    UsageError,
+    bind_address,
+    free_port,
+    new_run_key,
+    with_values,
+)
 
 __all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "split_endpoint", "wants_elastic"]
 
@@ -109,7 +114,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
 
 def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, RunConfig]:
     """The launch plan and the config workers get (resume, run name); updates ``environ``."""
-    from distrun.launch.local import resolve_nproc
+    from distrun.plugin import resolve_nproc
 
     lo, hi = _node_range(config.nnodes)
     for flag, value, default in (("--redirects", config.redirects, "0"),

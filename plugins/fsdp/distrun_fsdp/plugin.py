@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StrategyInfo, hookimpl, plugin_options
-from distrun.config.parallel_dims import ParallelDims
+from distrun.plugin import ParallelDims, StrategyInfo, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 

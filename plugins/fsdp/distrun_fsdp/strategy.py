@@ -18,15 +18,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
-from distrun.strategies.base import BaseStrategy
-from distrun.strategies.mesh import build_mesh
-from distrun.strategies.process_group import init_single_process_group
+from distrun.plugin import (
+    DEVICE_MESH,
+    PARALLEL_DIMS,
+    BaseStrategy,
+    build_mesh,
+    init_single_process_group,
+)
 from distrun_fsdp.plugin import parallel_dims
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
 if TYPE_CHECKING:
-    from distrun.train.run import Run
+    from distrun.plugin import Run
 
 __all__ = ["FSDPStrategy", "clip_grad_norm"]
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["apply_fsdp", "find_blocks", "mixed_precision", "offload_policy"]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl, plugin_options
+from distrun.plugin import hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: ``--join-mode`` values; see README.md for what each does with the surplus batches
 MODES = ("auto", "join", "agree", "off")

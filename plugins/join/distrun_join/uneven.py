@@ -26,13 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
-from distrun import DistrunError
-from distrun.spec.keys import JOINABLES, UNEVEN_EPOCH
-from distrun.spec.stash import StashKey
-from distrun.train.run import Run
-from distrun.train.schedulers import load_scheduler_states, scheduler_states
-from distrun.train.step_sync import STEP_SYNC
-from distrun.train.tensors import to_cpu
+from distrun.plugin import (
+    JOINABLES,
+    STEP_SYNC,
+    UNEVEN_EPOCH,
+    DistrunError,
+    Run,
+    StashKey,
+    load_scheduler_states,
+    scheduler_states,
+    to_cpu,
+)
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from distrun import UsageError, hookimpl
+from distrun.plugin import UsageError, hookimpl
 from distrun_pipeline import schedules
 
 __all__ = ["Pipeline", "PipelineHooks"]

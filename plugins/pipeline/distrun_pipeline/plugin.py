@@ -3,7 +3,9 @@ options and (for runs that use them) the per-step hooks. Torch-free at import.""
 
 from __future__ import annotations
 
-from distrun import StrategyInfo, hookimpl, plugin_options
+from distrun.plugin import StrategyInfo, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: --pp-schedule names (see distrun_pipeline.schedules)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["Chain", "StageModule", "balance", "find_chain", "split_table", "stage_tree"]
 

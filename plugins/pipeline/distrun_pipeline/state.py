@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["is_placeholder", "place_holders", "shared_optimizer_state", "shared_state_dict"]
 

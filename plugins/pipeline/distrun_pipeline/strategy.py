@@ -19,16 +19,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distrun import UsageError
-from distrun.config.parallel_dims import ParallelDims
-from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
-from distrun.strategies.base import BaseStrategy
-from distrun.strategies.mesh import build_mesh
+from distrun.plugin import (
+    DEVICE_MESH,
+    PARALLEL_DIMS,
+    BaseStrategy,
+    ParallelDims,
+    UsageError,
+    build_mesh,
+)
 from distrun_pipeline import schedules, split, state
 from distrun_pipeline.pipe import Pipeline, PipelineHooks
 
 if TYPE_CHECKING:
-    from distrun.spec.strategy import SetupView
+    from distrun.plugin import SetupView
 
 __all__ = ["PipelineDDPStrategy", "PipelineFSDPStrategy", "PipelineStrategy"]
 
@@ -42,7 +45,7 @@ class PipelineStrategy(BaseStrategy):
     def setup(self, run: SetupView) -> None:
         super().setup(run)
         cfg = self.config
-        pp = int(cfg.get("pp", 0) or 0)
+        pp = int(cfg.pp)
         if self.dp_mode == "none":
             pp = pp or self.world_size
             if pp != self.world_size:
@@ -57,18 +60,12 @@ class PipelineStrategy(BaseStrategy):
             raise UsageError(f"pipeline parallel needs at least 2 ranks as stages, got --pp "
                              f"{pp} on {self.world_size} ranks (launch with "
                              "--nproc-per-node 2 or more)")
-        precision = str(cfg.get("precision", "32-true"))
-        if precision.startswith("16") or precision.startswith("fp16"):
-            raise UsageError(f"--precision {precision} scales the loss for backward with a "
-                             "GradScaler, which the pipeline schedule's own backward does not "
-                             "do; use --precision bf16-mixed (or 32-true) with pipeline parallel")
-        for flag, on in (("--tp-size", int(cfg.get("tp_size", 0) or 0) > 1),
-                         ("--compile", bool(cfg.get("compile", False))),
-                         ("--zero", bool(cfg.get("zero", False)))):
-            if on:
-                raise UsageError(f"{flag} does not compose with --strategy {self.name} (see the "
-                                 "composition table in docs/strategies.md); drop it, or use "
-                                 "pp+fsdp to shard each stage")
+        # What other plugins add (mixed precision, ZeRO, a tp degree) they check themselves
+        # against the layout this strategy publishes (PARALLEL_DIMS, pp > 1).
+        if cfg.compile:
+            raise UsageError(f"--compile does not compose with --strategy {self.name} (see the "
+                             "composition table in docs/strategies.md); drop it, or use "
+                             "pp+fsdp to shard each stage")
         self.dims = ParallelDims.from_world(self.world_size, pp=pp)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, cfg.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or (),
@@ -77,11 +74,11 @@ class PipelineStrategy(BaseStrategy):
         self.dp_rank, self.dp_world_size = coord["dp"], self.dims.dp
         self.pp_group = self.mesh["pp"].get_group()
         self.dp_mesh = self.mesh["dp"]
-        name = cfg.get("pp_schedule", "1f1b")
+        name = cfg.pp_schedule
         self.schedule_name = name
-        self.v = schedules.virtual_stages(name, int(cfg.get("pp_virtual_stages", 2)))
+        self.v = schedules.virtual_stages(name, int(cfg.pp_virtual_stages))
         self.stages = pp * self.v
-        self.microbatches = int(cfg.get("microbatches", 0) or 0) or 2 * self.stages
+        self.microbatches = int(cfg.microbatches) or 2 * self.stages
         local = cfg.batch_size // self.dp_world_size if cfg.batch_size % self.dp_world_size == 0 \
             else 0
         if local and local % self.microbatches:

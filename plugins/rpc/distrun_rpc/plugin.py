@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, StrategyInfo, hookimpl, plugin_options
+from distrun.plugin import StashKey, StrategyInfo, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "rpc"
 #: the run's RpcStrategy (roles, remote references), for the task and the plugin's hooks. It

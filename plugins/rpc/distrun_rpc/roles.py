@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distrun.spec.errors import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["Roles", "assign_shards"]
 

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distrun.config.run_config import RunConfig
-from distrun.spec.errors import DistrunError, UsageError
-from distrun.strategies.base import BaseStrategy
+from distrun.plugin import BaseStrategy, DistrunError, RunConfig, UsageError
 from distrun_rpc import server
 from distrun_rpc.models import HybridModel, RemoteOptimizer, ServerParamsModel, optimizer_spec
 from distrun_rpc.plugin import RPC_STRATEGY
@@ -29,7 +27,7 @@ from distrun_rpc.quiet import import_rpc_modules, quiet_torchscript
 from distrun_rpc.roles import Roles, assign_shards
 
 if TYPE_CHECKING:
-    from distrun.train.run import Run
+    from distrun.plugin import Run
 
 __all__ = ["RpcPeerError", "RpcStrategy"]
 
@@ -121,7 +119,7 @@ class RpcStrategy(BaseStrategy):
     def _join_trainers(self) -> None:
         # A second client of the RPC rendezvous store (hosted by rank 0, a trainer) gives the
         # trainers their own group (--backend's, gloo by default) without another port.
-        from distrun.strategies.process_group import prepare_backend
+        from distrun.plugin import prepare_backend
 
         cfg = self.config
         timeout = datetime.timedelta(seconds=cfg.timeout)
@@ -133,7 +131,7 @@ class RpcStrategy(BaseStrategy):
         self._owns_group = True
 
     def _build_server_state(self, run: Run) -> server.ServerState:
-        from distrun.train.rng import seed_everything
+        from distrun.plugin import seed_everything
 
         index = self.roles.role_rank
         batch = int(self.config.rpc_update_batch) or self.roles.trainers

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 
 __all__ = ["Best", "Entry", "TopK", "scan"]
 

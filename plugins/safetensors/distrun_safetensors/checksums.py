@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from distrun.spec.errors import UsageError
+from distrun.plugin import UsageError
 from distrun_safetensors.paths import open_member
 
 __all__ = ["DEFAULT", "Checksum", "checksum", "file_checksum"]

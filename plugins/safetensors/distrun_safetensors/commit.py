@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from distrun.launch.lifeline import launcher_alive
+from distrun.plugin import launcher_alive
 from distrun_safetensors.checksums import DEFAULT as CHECKSUM
 from distrun_safetensors.fence import CommitLock, LockLost, fenced_error, find_stale
 from distrun_safetensors.files import (

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from distrun.spec.errors import DistrunError, UsageError
+from distrun.plugin import DistrunError, UsageError
 
 __all__ = ["CheckpointError", "FencedError", "NewerFormatError"]
 

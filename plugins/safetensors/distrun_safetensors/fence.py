@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.launch.lifeline import pid_alive
+from distrun.plugin import pid_alive
 from distrun_safetensors.errors import CheckpointError, FencedError
 from distrun_safetensors.files import fsync_dir
 from distrun_safetensors.manifest import (

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "safetensors"
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
@@ -64,7 +67,7 @@ def _checkpointer(run: Any) -> Any:
 
 
 def ckpt_dir(run: Any) -> str:
-    return run.config.get("ckpt_dir") or run.checkpoint_dir
+    return run.config.get("ckpt_dir") or os.path.join(run.run_dir, "checkpoints")
 
 
 def _check_storage(run: Any) -> None:
@@ -84,11 +87,11 @@ def _check_storage(run: Any) -> None:
         wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_save_on_end
                  or cfg.get("ckpt_monitor", "") or cfg.resume != "never")
         if unshared and (run.generation > 0 or wants):
-            from distrun import UsageError
+            from distrun.plugin import UsageError
 
             raise UsageError(unshared)
     elif unshared:
-        from distrun import UsageError
+        from distrun.plugin import UsageError
 
         raise UsageError(unshared)
 

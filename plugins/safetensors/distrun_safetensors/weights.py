@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 from distrun_safetensors.files import read_header
 from distrun_safetensors.paths import checked_path, member, read_member
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["auto_plan", "find_pairs", "parallelize"]
 

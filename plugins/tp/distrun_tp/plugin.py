@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StrategyInfo, UsageError, hookimpl, plugin_options
-from distrun.config.parallel_dims import ParallelDims
-from distrun.spec.keys import DEVICE_MESH
+from distrun.plugin import (
+    DEVICE_MESH,
+    ParallelDims,
+    StrategyInfo,
+    UsageError,
+    hookimpl,
+    plugin_options,
+)
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 
 @hookimpl
@@ -60,15 +67,15 @@ def _tp_mesh(run: Any) -> Any:
 def distrun_setup_model(run):
     tp_mesh = _tp_mesh(run)
     wanted = int(run.config.tp_size or 0)
-    if tp_mesh is None:
-        if wanted > 1:
-            raise UsageError(
-                f"--tp-size {wanted} needs a strategy that builds a device mesh with a 'tp' "
-                f"dimension (--strategy tp, or --strategy fsdp for dp x tp); "
-                f"'{run.strategy.name}' does not"
-            )
-        return
-    if tp_mesh.size() == 1:
+    # A mesh may carry a 'tp' dimension of 1 (a pipeline's pp x dp x tp): the degree asked
+    # for must be the mesh's, or --tp-size would be quietly ignored.
+    if wanted > 1 and (tp_mesh is None or tp_mesh.size() != wanted):
+        raise UsageError(
+            f"--tp-size {wanted} needs a strategy that builds a device mesh with a 'tp' "
+            f"dimension of that size (--strategy tp, or --strategy fsdp for dp x tp); "
+            f"'{run.strategy.name}' does not"
+        )
+    if tp_mesh is None or tp_mesh.size() == 1:
         return
     from distrun_tp.parallelize import parallelize
 

@@ -13,14 +13,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distrun.spec.keys import DEVICE_MESH, PARALLEL_DIMS
-from distrun.strategies.base import BaseStrategy
-from distrun.strategies.mesh import build_mesh
-from distrun.strategies.process_group import init_single_process_group
+from distrun.plugin import (
+    DEVICE_MESH,
+    PARALLEL_DIMS,
+    BaseStrategy,
+    build_mesh,
+    init_single_process_group,
+)
 from distrun_tp.plugin import tp_layout
 
 if TYPE_CHECKING:
-    from distrun.train.run import Run
+    from distrun.plugin import Run
 
 __all__ = ["TPStrategy"]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import PARALLEL_DIMS, StashKey, UsageError, hookimpl, plugin_options
 
 if TYPE_CHECKING:
     from distrun_amp.precision import MixedPrecision
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: the run's autocast/GradScaler state, for plugins that need the scaler
 AMP: StashKey[MixedPrecision] = StashKey("amp")
@@ -34,6 +36,11 @@ def distrun_setup_strategy(run):
     from distrun_amp.precision import MixedPrecision
 
     amp = run.stash[AMP] = MixedPrecision(run.config.precision, run.device)
+    dims = run.stash.get(PARALLEL_DIMS)
+    if amp.scaler is not None and dims is not None and dims.pp > 1:
+        raise UsageError(f"--precision {run.config.precision} scales the loss for backward "
+                         "with a GradScaler, which a pipeline schedule's own backward does not "
+                         "do; use --precision bf16-mixed (or 32-true) with pipeline parallel")
     run.add_hooks(Autocast(amp))
     if amp.scaler is not None:
         run.add_hooks(ScaledSteps(amp))

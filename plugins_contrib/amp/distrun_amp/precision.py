@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["MixedPrecision"]
 

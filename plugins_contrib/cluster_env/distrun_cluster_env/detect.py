@@ -12,8 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Mapping
 
-from distrun import UsageError
-from distrun.spec.cluster import ClusterEnv
+from distrun.plugin import ClusterEnv, UsageError
 from distrun_cluster_env.nodelist import expand_tasks_per_node, first_host
 
 __all__ = ["READERS", "SELECT_ENV", "detect", "mpi", "pytorchjob", "slurm", "torchelastic"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 
 __all__ = ["expand_nodelist", "first_host", "expand_tasks_per_node"]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl
+from distrun.plugin import hookimpl
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 
 @hookimpl

@@ -9,7 +9,7 @@ import subprocess
 
 import click
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 from distrun_cluster_env.templates import JobSpec, render_pytorchjob, render_sbatch
 
 __all__ = ["submit_cmd"]

@@ -9,8 +9,10 @@ so a resumed run goes on counting.
 
 from __future__ import annotations
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
 from distrun_early_stopping.rule import MODES, EarlyStopping
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 __all__ = ["EARLY_STOPPING", "STATE_NAME"]
 

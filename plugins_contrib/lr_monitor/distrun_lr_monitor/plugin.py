@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 __all__ = ["LR_MONITOR", "LrMonitor", "group_names"]
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.spec.errors import first_line
+from distrun.plugin import first_line
 from distrun_mlflow.settings import (
     MAX_KEY,
     MAX_METRICS_PER_BATCH,
@@ -292,7 +292,7 @@ def _line(exc: BaseException) -> str:
 
 def render_plot(run: Any) -> str | None:
     """The run's curves as an image in a temporary folder (see ``distrun.loggers.plot``)."""
-    from distrun.loggers.plot import plot_run
+    from distrun.plugin import plot_run
 
     return plot_run(run, "distrun-mlflow")
 

@@ -61,10 +61,10 @@ def run_child(rank: int, env: Mapping[str, str], out_fd: int, err_fd: int, repor
         if interrupted():
             raise KeyboardInterrupt
         os.environ.update(env)
-        from distrun.launch.lifeline import die_with_launcher
+        from distrun.plugin import die_with_launcher
 
         die_with_launcher()  # SIGKILL when the kernel dies, as distrun's own workers
-        from distrun.train.store_host import host_launcher_store
+        from distrun.plugin import host_launcher_store
 
         host_launcher_store()  # rank 0: its store on the launcher's loopback socket
         _limit_threads()

@@ -15,8 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun import UsageError
-from distrun.launch.binding import LOOPBACK, STORE_FD_ENV, listen_socket, server_env
+from distrun.plugin import LOOPBACK, STORE_FD_ENV, UsageError, listen_socket, server_env
 from distrun_notebook.child import in_launched_process
 from distrun_notebook.workers import WorkerGroup
 
@@ -170,14 +169,9 @@ def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> dict
     A bad option or an unknown strategy is then one line in the cell, not an error in every
     rank; and the ranks share one fresh run folder (``runs/<notebook>``, ``-2``, ...).
     """
-    from distrun.config.run_config import CONFIG_ENV, resolve_config, with_values
-    from distrun.config.run_dir import fresh_run_folder
-    from distrun.registry.collect import choose_strategy, collect_options, collect_strategies
-    from distrun.registry.manager import get_plugin_manager
+    from distrun.plugin import CONFIG_ENV, fresh_run_folder, resolve_run_config, with_values
 
-    pm = get_plugin_manager()
-    config = resolve_config(collect_options(pm), code=options)
-    choose_strategy(config, num_processes, collect_strategies(pm), pm.is_blocked)
+    config = resolve_run_config(options, num_processes)
     if not config.run_dir:
         name = config.name or _notebook_name()
         config = with_values(config, source=config.sources.get("name", "launcher"), name=name)
@@ -196,8 +190,7 @@ def _notebook_name() -> str:
 
 def _rank_env(rank: int, world: int, port: int, run_id: str,
               base: dict[str, str]) -> dict[str, str]:
-    from distrun.launch.lifeline import LAUNCHER_PID_ENV
-    from distrun.launch.local import torchrun_env
+    from distrun.plugin import LAUNCHER_PID_ENV, torchrun_env
 
     env = torchrun_env(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                        node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=port,

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
 
 if TYPE_CHECKING:
     from distrun_profiler.profiling import StepProfiler
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 __all__ = ["PROFILER"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 
 __all__ = ["StepProfiler", "top_ops", "trace_dir"]
 

@@ -12,9 +12,10 @@ import os
 import sys
 from typing import Any
 
-from distrun import StashKey, hookimpl, plugin_options
-from distrun.spec.keys import CONSOLE_OWNER
+from distrun.plugin import CONSOLE_OWNER, StashKey, hookimpl, plugin_options
 from distrun_progress.display import TTY_ENV, make_display
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: set by the launcher for the workers: the terminal rank 0 may draw the bar on
 _KEY: StashKey[Any] = StashKey("progress")  # the display

@@ -58,8 +58,7 @@ class RankHost:
         """
         import ray
 
-        from distrun.launch.binding import listen_socket
-        from distrun.launch.ports import free_port
+        from distrun.plugin import free_port, listen_socket
 
         if bind is None:
             return free_port(ray.util.get_node_ip_address())
@@ -73,7 +72,7 @@ class RankHost:
         ``bind``: the address the worker's servers listen on (gloo's and tensorpipe's interface
         is looked up on this node).
         """
-        from distrun.launch.binding import STORE_FD_ENV, server_env
+        from distrun.plugin import STORE_FD_ENV, server_env
 
         full_env = dict(os.environ)
         full_env.update(env)

@@ -14,7 +14,7 @@ A rank whose actor cannot be reached (its node died or was cut off) is the cause
 whatever its peers then reported (they lost their connection to it): the launcher names that
 node in one line, and restarts on what the cluster has left, or, when the cluster cannot place
 the group again within ``--ray-start-timeout``, says so in one line and exits with
-:data:`~distrun.train.run.EXIT_REQUEUE` (the run resumes from its newest checkpoint when
+:data:`~distrun.plugin.EXIT_REQUEUE` (the run resumes from its newest checkpoint when
 started again).
 """
 
@@ -29,12 +29,19 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from distrun import UsageError
-from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.launch.exits import exit_code
-from distrun.launch.local import STOP_GRACE, torchrun_env
-from distrun.launch.relay import Relay, new_tail, report_failure
-from distrun.train.run import EXIT_REQUEUE
+from distrun.plugin import (
+    CONFIG_ENV,
+    EXIT_REQUEUE,
+    STOP_GRACE,
+    Relay,
+    RunConfig,
+    UsageError,
+    exit_code,
+    new_tail,
+    report_failure,
+    torchrun_env,
+    with_values,
+)
 
 __all__ = ["launch_ray", "forwarded_env"]
 

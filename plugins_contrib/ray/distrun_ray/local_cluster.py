@@ -37,9 +37,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from distrun.launch.lifeline import pid_alive
-from distrun.launch.ports import free_port
-from distrun.launch.reaper import reaped
+from distrun.plugin import free_port, pid_alive, reaped
 
 __all__ = ["LocalRayCluster"]
 

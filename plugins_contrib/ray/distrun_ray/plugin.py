@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl, plugin_options
+from distrun.plugin import hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "ray"
 
@@ -35,7 +37,7 @@ def distrun_launch(config, command, environ):
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
-        from distrun import UsageError
+        from distrun.plugin import UsageError
 
         raise UsageError("--launcher ray needs Ray: pip install 'ray>=2.9'")
     from distrun_ray.launcher import launch_ray

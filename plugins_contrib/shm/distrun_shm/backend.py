@@ -16,7 +16,7 @@ import secrets
 import socket
 from typing import Any
 
-from distrun.launch.lifeline import pid_alive, pid_start_time
+from distrun.plugin import pid_alive, pid_start_time
 
 __all__ = ["creator_gone", "leftover_segments", "load", "machine_id", "remove_stale_segments",
            "segment_prefix", "segments"]
@@ -134,7 +134,7 @@ def _one_machine(store: Any, rank: int, size: int, global_ranks: list[int],
         store.wait([f"shm/checked/{r}" for r in range(size)], timeout)
     except Exception:  # noqa: BLE001 - a rank that never comes: say what this one knows
         pass
-    from distrun.spec.errors import UsageError
+    from distrun.plugin import UsageError
 
     other = global_ranks[apart] if apart < len(global_ranks) else apart
     mine = global_ranks[rank] if rank < len(global_ranks) else rank

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 _KEY: StashKey[Any] = StashKey("tensorboard")  # the SummaryWriter, rank 0 only
 

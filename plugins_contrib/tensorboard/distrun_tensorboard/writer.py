@@ -21,7 +21,7 @@ def open_writer(run: Any) -> Any:
     writer = SummaryWriter(log_dir=event_dir(run), purge_step=purge,
                            flush_secs=int(run.config.get("tensorboard_flush_secs", 30.0)) or 1)
     if run.resumed_from is None:
-        from distrun.launch.run_folder import render_config
+        from distrun.plugin import render_config
 
         writer.add_text("config", "```toml\n" + render_config(run.config) + "```", global_step=0)
     return writer

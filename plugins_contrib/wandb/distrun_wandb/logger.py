@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from distrun.spec.errors import first_line
+from distrun.plugin import first_line
 
 __all__ = ["RUN_FILE", "WandbLogger", "mode_of", "open_logger", "render_plot"]
 
@@ -166,7 +166,7 @@ class WandbLogger:
 
 def render_plot(run: Any) -> str | None:
     """The run's curves as an image in a temporary folder (see ``distrun.loggers.plot``)."""
-    from distrun.loggers.plot import plot_run
+    from distrun.plugin import plot_run
 
     return plot_run(run, "distrun-wandb")
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 #: the run's logger on rank 0 once opened; False where this plugin stays out of the run
 _KEY: StashKey[Any] = StashKey("wandb")

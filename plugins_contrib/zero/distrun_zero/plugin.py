@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from distrun import hookimpl, plugin_options
+from distrun.plugin import PARALLEL_DIMS, UsageError, hookimpl, plugin_options
+
+DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 
 @hookimpl
@@ -18,6 +20,11 @@ def distrun_register_options(register):
 def distrun_setup_optimizer(run):
     # trylast: after the core built the task's optimizer and the strategy wrapped it.
     if run.config.zero:
+        dims = run.stash.get(PARALLEL_DIMS)
+        if dims is not None and dims.pp > 1:
+            raise UsageError("--zero does not compose with pipeline parallel (see the "
+                             "composition table in docs/strategies.md); drop it, or use "
+                             "pp+fsdp to shard each stage")
         from distrun_zero.zero import shard_optimizer
 
         shard_optimizer(run)

@@ -18,9 +18,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from distrun import UsageError
-from distrun.train.run import Run
-from distrun.train.tensors import to_cpu
+from distrun.plugin import Run, UsageError, to_cpu
 
 __all__ = ["ZeroOptimizer", "check_layout", "layout", "shard_optimizer", "state_bytes"]
 

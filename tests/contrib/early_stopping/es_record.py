@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 
 
 @hookimpl

@@ -88,8 +88,6 @@ class HookRecorder:
 def _fit_with_and_without(rank: int, world: int, run_dir: str) -> dict:
     from lr_tasks import TwoGroups
 
-    from distrun.registry.manager import get_plugin_manager
-
     recorder = HookRecorder()
     out = {}
     for on in (False, True):
@@ -97,7 +95,6 @@ def _fit_with_and_without(rank: int, world: int, run_dir: str) -> dict:
                               summary=False, run_dir=os.path.join(run_dir, str(on))).fit(
             TwoGroups())
         out[on] = {"hooks": recorder.step_end, "metrics": sorted(run.metrics)}
-    get_plugin_manager().unregister(recorder)
     return out
 
 

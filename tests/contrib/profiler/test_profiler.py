@@ -73,8 +73,6 @@ class StepHooks:
 
 
 def _fits(rank: int, world: int, run_dir: str) -> dict:
-    from distrun.registry.manager import get_plugin_manager
-
     sys.path.insert(0, str(TASK.parent))
     from tiny_task import TinyTask
 
@@ -84,7 +82,6 @@ def _fits(rank: int, world: int, run_dir: str) -> dict:
         distrun.Trainer(plugins=(hooks,), profile=on, profile_top=0, max_steps=12, max_epochs=2,
                         batch_size=32, summary=False, run_dir=os.path.join(run_dir, str(on)),
                         console=False).fit(TinyTask())
-        get_plugin_manager().unregister(hooks)
         out[on] = hooks.owners
     return out
 

@@ -146,7 +146,7 @@ def test_a_failing_script_is_reported_failed(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path, reference):
     """Two replicas of one distrun launcher each: torch's c10d store on replica 0's host."""
-    from distrun.launch.ports import free_port
+    from distrun.plugin import free_port
 
     result = _torchx("run", "-s", "local_cwd", "distrun.run", "--nnodes", "2",
                      "--nproc_per_node", "1", "--rdzv_port", str(free_port()), *TRAIN,

@@ -27,7 +27,7 @@ import os
 import signal
 import time
 
-from distrun import StrategyInfo, hookimpl
+from distrun.plugin import StrategyInfo, hookimpl
 
 
 def _attempt() -> str:
@@ -45,7 +45,7 @@ def _make_gradsum(config):
     import torch
     import torch.distributed as dist
 
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class GradSum(BaseStrategy):
         """Replicated model; gradients averaged over ranks with one all-reduce per tensor."""

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distrun.launch.lifeline import die_with_parent
+from distrun.plugin import die_with_parent
 
 HERE = Path(__file__).resolve().parent
 TASK = str(HERE / "elastic_task.py") + ":ElasticTask"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from distrun import UsageError
-from distrun.config.run_config import CONFIG_ENV, resolve_config, with_values
+from distrun.config.run_config import resolve_config
+from distrun.plugin import CONFIG_ENV, UsageError, with_values
 from distrun.registry.collect import collect_options
 from distrun.registry.manager import make_plugin_manager
 from distrun.testing import run_cli
@@ -73,7 +73,7 @@ def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
     # to the loopback), where its servers listen too: all nodes on this machine here
     assert plan.local_addr == plan.bind_address == "127.0.0.2"
     # the nodes of one run share one key for their folder locks
-    from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
+    from distrun.plugin import RUN_KEY_ENV, new_run_key
 
     assert environ[RUN_KEY_ENV] == new_run_key("job7", "127.0.0.2:29400")
     assert plan.rdzv_configs == {"last_call_timeout": "5"}

@@ -165,12 +165,9 @@ def train_many(rank: int, world: int, *args: Any) -> list[dict[str, Any]]:
 
 def reference(*lead: Any, options: dict[str, Any]) -> dict[str, Any]:
     """The same training in this process with the core's single strategy (env restored)."""
-    from distrun.registry import manager as plugins
-
-    saved, previous = dict(os.environ), plugins._pm
+    saved = dict(os.environ)
     try:
         return train(0, 1, *lead, dict(options, strategy="single", plugins=""))
     finally:
-        plugins.set_plugin_manager(previous)
         os.environ.clear()
         os.environ.update(saved)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 from distrun.testing import free_port, imports_torch, run_cli, run_on_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # fsdp_tasks, importable by spawned ranks too

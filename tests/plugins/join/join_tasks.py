@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrun
-from distrun.strategies.base import BaseStrategy
+from distrun.plugin import BaseStrategy
 
 
 class Batches:
@@ -116,10 +116,6 @@ def fit_uneven(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[s
         except SystemExit as exc:  # a preemption: checkpoint saved, exit for requeue
             out.append({"exit": exc.code, "logged": recorder.logged})
             continue
-        finally:
-            from distrun.registry.manager import get_plugin_manager
-
-            get_plugin_manager().unregister(recorder)
         flat = torch.cat([_full(p).detach().flatten()
                           for p in run.unwrapped_model().parameters()])
         out.append({"params": flat, "steps": run.progress.step, "logged": recorder.logged,

@@ -204,13 +204,10 @@ def train_many(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]]
 
 def reference(task: str, options: dict[str, Any]) -> dict[str, Any]:
     """The same training in this process with the core's single strategy (env restored)."""
-    from distrun.registry import manager as plugins
-
-    saved, previous = dict(os.environ), plugins._pm
+    saved = dict(os.environ)
     try:
         return train(0, 1, task, {"plugins": "", **options, "strategy": "single"})
     finally:
-        plugins.set_plugin_manager(previous)
         os.environ.clear()
         os.environ.update(saved)
 

@@ -251,9 +251,14 @@ def test_world_size_not_divisible_by_pp(tmp_path: Path) -> None:
     ("nosplit", (), "pipeline cannot split Flat"),
     ("seq", ("--precision", "16-mixed"), "use --precision bf16-mixed"),
     ("seq", ("--compile",), "--compile does not compose with --strategy pp"),
+    # checked by the plugins that own these options, against the pipeline's PARALLEL_DIMS
+    ("seq", ("--zero",), "--zero does not compose with pipeline parallel"),
+    ("seq", ("--tp-size", "2"), "'pp' does not"),
 ])
 def test_bad_configurations_exit_2_with_one_line(tmp_path: Path, task: str, flags: tuple,
                                                   says: str) -> None:
-    if "--precision" in flags:
-        pytest.importorskip("distrun_amp")
+    for flag, plugin in (("--precision", "distrun_amp"), ("--zero", "distrun_zero"),
+                         ("--tp-size", "distrun_tp")):
+        if flag in flags:
+            pytest.importorskip(plugin)
     assert says in _bad(tmp_path, task, "--strategy", "pp", *flags)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distrun
-from distrun import hookimpl
+from distrun.plugin import hookimpl
 from distrun_rpc.plugin import RPC_STRATEGY
 
 EPOCHS, BATCH, SEED = 2, 32, 0

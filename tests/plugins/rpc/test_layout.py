@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 from distrun_rpc.roles import Roles, assign_shards
 
 

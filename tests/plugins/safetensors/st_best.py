@@ -63,9 +63,11 @@ def rank_best(rank: int, world: int, root: str) -> dict:
     B: a new run started from A's best checkpoint (--ckpt-resume-best on A's folder)."""
     straight = Probe()
     _fit(straight, run_dir=f"{root}/a", max_steps=8)
-    _fit(run_dir=f"{root}/c", max_steps=5)
+    # every fit gets a Probe: the task's val_loss follows the step only through it (a plugin
+    # given to one Trainer is not in the next one's)
+    _fit(Probe(), run_dir=f"{root}/c", max_steps=5)
     listing_c5 = sorted(os.listdir(f"{root}/c/checkpoints"))
-    _fit(run_dir=f"{root}/c", max_steps=8, resume="latest")
+    _fit(Probe(), run_dir=f"{root}/c", max_steps=8, resume="latest")
     from_best = Probe()
     resumed = _fit(from_best, run_dir=f"{root}/b", max_steps=5,
                    resume=f"{root}/a/checkpoints", ckpt_resume_best=True)

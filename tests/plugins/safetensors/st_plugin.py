@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 
-from distrun import StrategyInfo, hookimpl
+from distrun.plugin import StrategyInfo, hookimpl
 
 
 def _make_ddp(config):
     import torch.distributed as dist
 
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class ReplicaStrategy(BaseStrategy):
         name = "st_ddp"
@@ -42,7 +42,7 @@ def _make_ddp(config):
 
 
 def _make_fsdp(config):
-    from distrun.strategies.base import BaseStrategy
+    from distrun.plugin import BaseStrategy
 
     class ShardStrategy(BaseStrategy):
         name = "st_fsdp"

@@ -14,7 +14,7 @@ import torch
 from st_layouts import MLP
 from st_weights import rank_load_layouts, source_tensors, write_hf
 
-from distrun import UsageError
+from distrun.plugin import UsageError
 from distrun.testing import run_cli, run_on_ranks
 from distrun_safetensors import load_weights
 from distrun_safetensors.weights import find_weights, observe_open

@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from distrun import UsageError
-from distrun.config.parallel_dims import ParallelDims
+from distrun.plugin import ParallelDims, UsageError
 from distrun.testing import imports_torch
 
 

@@ -1,0 +1,1 @@
+"""distrun-thirdparty: a plugin written against distrun.plugin only (a test of that API)."""
