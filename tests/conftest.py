@@ -7,9 +7,10 @@ Launching, signals and exit codes of real runs keep using :func:`distrun.testing
 (a ``distrun`` subprocess).
 
 ``cpu_backend`` is the backend matrix: a test (or a module fixture) that takes it runs once
-per CPU backend available here (``gloo``, and ``shm`` when distrun-shm is installed), and is
-marked ``backend`` (and ``slow`` for every backend but gloo: the fast lane runs the matrix
-over gloo). ``--backends gloo,shm`` picks them (``tox -e backend-shm``).
+per CPU backend chosen with ``--backends`` and is marked ``backend`` (and ``slow`` for every
+backend but gloo). The default suite (CI's) runs the matrix over gloo; ``tox -e backend-shm``
+(``--backends shm``) runs it over the shared-memory backend, ``--backends available`` over
+every installed one that can run here (gloo, and shm when distrun-shm is installed).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--backends", default="available",
-                     help="CPU backends for the tests that take cpu_backend: 'available' "
-                          "(every installed one that can run here) or names (gloo,shm)")
+    parser.addoption("--backends", default="gloo",
+                     help="CPU backends for the tests that take cpu_backend: names (gloo,shm; "
+                          "default gloo) or 'available' (every installed one that can run "
+                          "here)")
 
 
 def _cpu_backends(option: str) -> list[object]:
