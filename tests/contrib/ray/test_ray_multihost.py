@@ -36,27 +36,8 @@ pytestmark = [
                        reason="needs a checkpoint plugin: pip install distrun-safetensors"),
 ]
 
-TASK = """
-import json, os, socket, sys, time
-import torch
-import distrun
-
-
-class Regress(distrun.Task):
-    def configure_model(self):
-        return torch.nn.Linear(4, 1)
-
-    def configure_optimizer(self, params):
-        return torch.optim.SGD(params, lr=0.05)
-
-    def train_data(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(96, 4, generator=g)
-        return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-
-    def training_step(self, model, batch):
-        x, y = batch
-        return torch.nn.functional.mse_loss(model(x), y)
+TASK = (Path(__file__).with_name("regress_task.py").read_text() + """
+import socket
 
 
 class Record:
@@ -94,7 +75,7 @@ class Record:
 
 if __name__ == "__main__":
     distrun.Trainer(plugins=(Record(),)).fit(Regress())
-"""
+""")
 
 #: 2 ranks x 8 samples a step, 6 steps, a checkpoint every 2; --timeout 300 so a hang shows
 COMMON = ["--strategy", "ddp", "--max-epochs", "10", "--batch-size", "8", "--max-steps", "6",
