@@ -6,6 +6,7 @@ checkpoint folder at its first save; ``latest`` moves only for the newest one. S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -47,26 +48,50 @@ def _latest(directory: str) -> tuple[str, int] | None:
 def _writer(directory: str, rdzv: int, first: int, out: str, go: object, started: object,
             finished: object, until: object | None, saves: int) -> None:
     """Save steps first, first + 1, ... as fast as it can, recording each outcome: ``saves``
-    of them, or (``until``) until that event is set and one more after it."""
-    saver = Checkpointer(directory, keep_last=0, rdzv_generation=rdzv)
-    go.wait(60)
-    outcomes = []
-    step, last = first, False
-    while True:
-        try:
-            _save(saver, step)
-            outcomes.append([step, "ok", saver.generation])
-        except FencedError as exc:
-            outcomes.append([step, str(exc), saver.generation])
-        started.set()
-        step += 1
-        if last or (until is None and len(outcomes) == saves):
-            break
-        last = until is not None and until.is_set()
-    with open(out, "w") as fh:
-        json.dump(outcomes, fh)
+    of them, or (``until``) until that event is set and one more after it. A writer still at
+    it after 90 s writes its stack to ``out.stack``; one that fails writes why to ``out.err``
+    (the test's failure message shows both)."""
+    import faulthandler
+    import traceback
+
+    stack = open(out + ".stack", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(90, file=stack)
+    try:
+        saver = Checkpointer(directory, keep_last=0, rdzv_generation=rdzv)
+        go.wait(60)
+        outcomes = []
+        step, last = first, False
+        while True:
+            try:
+                _save(saver, step)
+                outcomes.append([step, "ok", saver.generation])
+            except FencedError as exc:
+                outcomes.append([step, str(exc), saver.generation])
+            started.set()
+            step += 1
+            if last or (until is None and len(outcomes) == saves):
+                break
+            last = until is not None and until.is_set()
+        with open(out, "w") as fh:
+            json.dump(outcomes, fh)
+    except BaseException:
+        with open(out + ".err", "w") as fh:
+            fh.write(traceback.format_exc())
+        os._exit(1)
     finished.set()
     os._exit(0)
+
+
+def _writers_said(*outs: str) -> str:
+    """What the writers left about a failure or a hang (see _writer)."""
+    said = []
+    for out in outs:
+        for suffix in (".err", ".stack"):
+            with contextlib.suppress(OSError), open(out + suffix) as fh:
+                text = fh.read().strip()
+                if text:
+                    said.append(f"{os.path.basename(out)}{suffix}:\n{text}")
+    return "\n".join(said)
 
 
 def test_two_processes_race_and_a_stale_generation_never_moves_latest(tmp_path):
@@ -101,7 +126,9 @@ def test_two_processes_race_and_a_stale_generation_never_moves_latest(tmp_path):
             proc.join(120)
             if proc.is_alive():
                 proc.kill()
-    assert old.exitcode == 0 and new.exitcode == 0
+    assert old.exitcode == 0 and new.exitcode == 0, (
+        f"exit codes {old.exitcode}, {new.exitcode}\n"
+        + _writers_said(str(tmp_path / "old.json"), str(tmp_path / "new.json")))
     olds = json.loads((tmp_path / "old.json").read_text())
     news = json.loads((tmp_path / "new.json").read_text())
     assert [o[1] for o in news] == ["ok"] * 15  # the fresh one always commits
