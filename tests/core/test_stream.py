@@ -64,3 +64,22 @@ def test_a_stream_is_sharded_and_resumes_at_the_item_after_the_last_trained(tmp_
     for rank in range(2):
         assert half[rank][0] + rest[rank][0] == full[rank][0], rank  # the same items, in order
         assert rest[rank][1] == full[rank][1]
+
+
+def _train_in_users_group(rank, world, run_dir):
+    import os
+
+    # a group the user made, with torchrun's variables gone (as after init_method="tcp://...")
+    os.environ.pop("MASTER_ADDR")
+    os.environ.pop("MASTER_PORT")
+    return _train(rank, world, run_dir, 0, -1, False)
+
+
+def test_a_stream_in_a_group_made_without_torchruns_variables_ends_its_epochs(tmp_path):
+    """At each epoch's end the ranks of a plain iterable meet in the group's store: found
+    without MASTER_ADDR/MASTER_PORT too."""
+    got = run_on_ranks(_train_in_users_group, 2, str(tmp_path / "run"), init_process_group=True,
+                       timeout=180)
+    want = run_on_ranks(_train, 2, str(tmp_path / "ref"), 0, -1, False, timeout=180)
+    assert [(step, epoch) for _, step, epoch in got] == [(s, e) for _, s, e in want]
+    assert [seen for seen, _, _ in got] == [seen for seen, _, _ in want]

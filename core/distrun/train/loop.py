@@ -331,12 +331,18 @@ def _await_ranks(run: Run, epoch: int) -> None:
         return
     store = run.stash.get(_RENDEZVOUS_STORE)
     if store is None:
-        # A client of the store torchrun's environment names (rank 0's, or the elastic
-        # agent's): the one the group rendezvoused on. torch has no public getter of the
-        # default group's store; a connection of our own is public API and made once a run.
-        store = run.stash[_RENDEZVOUS_STORE] = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=datetime.timedelta(seconds=run.config.timeout))
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            # A client of the store torchrun's environment names (rank 0's, or the elastic
+            # agent's): the one the group rendezvoused on. torch has no public getter of the
+            # default group's store; a connection of our own is public API, made once a run.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False,
+                                  timeout=datetime.timedelta(seconds=run.config.timeout))
+        else:
+            # a group the user made without torchrun's variables (init_method="tcp://...",
+            # "file://..."): only torch's own handle reaches its store
+            store = dist.distributed_c10d._get_default_store()
+        run.stash[_RENDEZVOUS_STORE] = store
     key = f"distrun/epoch_end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{epoch}"
     arrived = store.add(key, 1)  # counts on across fits that share one process group
     done = f"{key}/{(arrived - 1) // run.world_size}"
