@@ -37,7 +37,7 @@ TESTS = ROOT / "tests" / "core"
 sys.path.insert(0, str(TESTS))
 from lifecycle_task import NEVER_DESTROYS, records  # noqa: E402
 
-from distrun.launch.lifeline import pid_alive  # noqa: E402
+from distrun._launch.lifeline import pid_alive  # noqa: E402
 
 TASK = f"{TESTS / 'lifecycle_task.py'}:Steps"
 ABORT = "terminate called"

@@ -50,12 +50,12 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
     """``cli("config", "show", cwd=tmp_path, env={...})``: ``distrun ARGS`` run in-process.
 
     Same result shape as ``run_cli`` (``returncode``, ``stdout``, ``stderr``, ``output``): the
-    exit code is the ``SystemExit`` code of ``distrun.cli.main.main``, stdout and stderr are
+    exit code is the ``SystemExit`` code of ``distrun._cli.main.main``, stdout and stderr are
     captured separately by ``CliRunner``. ``env`` is applied for the call only (``None`` values
     unset a variable), ``cwd`` too. An unexpected exception propagates and fails the test. The
     call may not start a Python process (that is a launch: use ``run_cli``).
     """
-    from distrun.cli.main import main
+    from distrun._cli.main import main
 
     runner = CliRunner()
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from distrun._spec.errors import DistrunError, UsageError
+from distrun._spec.markers import hookimpl
 from distrun._version import __version__
-from distrun.spec.errors import DistrunError, UsageError
-from distrun.spec.markers import hookimpl
 
 if TYPE_CHECKING:
-    from distrun.config.run_config import RunConfig
-    from distrun.train.run import Run
-    from distrun.train.task import Task
-    from distrun.train.trainer import Trainer
+    from distrun._config.run_config import RunConfig
+    from distrun._train.run import Run
+    from distrun._train.task import Task
+    from distrun._train.trainer import Trainer
 
 # The users' API. ``hookimpl`` is here because a Task may implement hooks itself; what a
 # plugin author needs is in :mod:`distrun.plugin`.
@@ -37,10 +37,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RunConfig": "distrun.config.run_config",
-    "Run": "distrun.train.run",
-    "Task": "distrun.train.task",
-    "Trainer": "distrun.train.trainer",
+    "RunConfig": "distrun._config.run_config",
+    "Run": "distrun._train.run",
+    "Task": "distrun._train.task",
+    "Trainer": "distrun._train.trainer",
 }
 
 
@@ -92,7 +92,7 @@ def predict(task: Any, ckpt_path: str | None = None, **options: Any) -> Any:
 def log(name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
         reduce: str = "mean") -> None:
     """Log ``value`` as ``name`` from inside a step (see :meth:`distrun.Task.log`)."""
-    from distrun.train.metrics import log as _log
+    from distrun._train.metrics import log as _log
 
     _log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
 
@@ -114,7 +114,7 @@ def _trainer(task: Any, options: dict[str, Any]) -> Any:
     """The trainer of the last module-level call when it was for this task (its model is
     live), else a new one."""
     global _last
-    from distrun.train.trainer import Trainer
+    from distrun._train.trainer import Trainer
 
     if _last is not None and _last[0] is task and (not options or options == _last[1]):
         return _last[2]

@@ -1,3 +1,3 @@
-from distrun.cli.main import main
+from distrun._cli.main import main
 
 main()

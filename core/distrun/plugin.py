@@ -18,10 +18,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from distrun.config.parallel_dims import ParallelDims
-from distrun.config.run_config import CONFIG_ENV, RunConfig, with_values
-from distrun.config.run_dir import fresh_run_folder
-from distrun.launch.binding import (
+from distrun._config.parallel_dims import ParallelDims
+from distrun._config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun._config.run_dir import fresh_run_folder
+from distrun._launch.binding import (
     LOOPBACK,
     STORE_FD_ENV,
     bind_address,
@@ -29,11 +29,11 @@ from distrun.launch.binding import (
     listen_socket,
     server_env,
 )
-from distrun.launch.binding import resolve as resolve_host
-from distrun.launch.exits import ExitWatch, exit_code
-from distrun.launch.folder_lock import RUN_KEY_ENV, new_run_key
-from distrun.launch.generation import GENERATION_ENV
-from distrun.launch.lifeline import (
+from distrun._launch.binding import resolve as resolve_host
+from distrun._launch.exits import ExitWatch, exit_code
+from distrun._launch.folder_lock import RUN_KEY_ENV, new_run_key
+from distrun._launch.generation import GENERATION_ENV
+from distrun._launch.lifeline import (
     LAUNCHER_PID_ENV,
     die_with_launcher,
     die_with_parent,
@@ -41,32 +41,32 @@ from distrun.launch.lifeline import (
     pid_alive,
     pid_start_time,
 )
-from distrun.launch.local import STOP_GRACE, resolve_nproc, torchrun_env, warn_oversubscribed
-from distrun.launch.ports import free_port
-from distrun.launch.reaper import reaped
-from distrun.launch.relay import RankOutput, Relay, new_tail, report_failure
-from distrun.launch.run_folder import render_config
-from distrun.loggers.plot import plot_run
-from distrun.registry.collect import resolve_run_config
-from distrun.spec.backends import BackendInfo
-from distrun.spec.cluster import ClusterEnv
-from distrun.spec.errors import EXIT_REQUEUE, DistrunError, UsageError, first_line
-from distrun.spec.keys import CONSOLE_OWNER, DEVICE_MESH, JOINABLES, PARALLEL_DIMS, UNEVEN_EPOCH
-from distrun.spec.markers import API_VERSION, hookimpl, hookspec
-from distrun.spec.options import Option, plugin_options
-from distrun.spec.stash import Stash, StashKey
-from distrun.spec.strategy import SetupView, Strategy, StrategyInfo
+from distrun._launch.local import STOP_GRACE, resolve_nproc, torchrun_env, warn_oversubscribed
+from distrun._launch.ports import free_port
+from distrun._launch.reaper import reaped
+from distrun._launch.relay import RankOutput, Relay, new_tail, report_failure
+from distrun._launch.run_folder import render_config
+from distrun._loggers.plot import plot_run
+from distrun._registry.collect import resolve_run_config
+from distrun._spec.backends import BackendInfo
+from distrun._spec.cluster import ClusterEnv
+from distrun._spec.errors import EXIT_REQUEUE, DistrunError, UsageError, first_line
+from distrun._spec.keys import CONSOLE_OWNER, DEVICE_MESH, JOINABLES, PARALLEL_DIMS, UNEVEN_EPOCH
+from distrun._spec.markers import API_VERSION, hookimpl, hookspec
+from distrun._spec.options import Option, plugin_options
+from distrun._spec.stash import Stash, StashKey
+from distrun._spec.strategy import SetupView, Strategy, StrategyInfo
 
 if TYPE_CHECKING:
-    from distrun.strategies.base import BaseStrategy
-    from distrun.strategies.mesh import build_mesh
-    from distrun.strategies.process_group import init_single_process_group, prepare_backend
-    from distrun.train.rng import seed_everything
-    from distrun.train.run import Run
-    from distrun.train.schedulers import load_scheduler_states, scheduler_states
-    from distrun.train.step_sync import STEP_SYNC
-    from distrun.train.store_host import host_launcher_store, serve_store
-    from distrun.train.tensors import to_cpu
+    from distrun._strategies.base import BaseStrategy
+    from distrun._strategies.mesh import build_mesh
+    from distrun._strategies.process_group import init_single_process_group, prepare_backend
+    from distrun._train.rng import seed_everything
+    from distrun._train.run import Run
+    from distrun._train.schedulers import load_scheduler_states, scheduler_states
+    from distrun._train.step_sync import STEP_SYNC
+    from distrun._train.store_host import host_launcher_store, serve_store
+    from distrun._train.tensors import to_cpu
 
 __all__ = [
     # hooks and the API version
@@ -99,18 +99,18 @@ __all__ = [
 
 #: names whose modules import torch, loaded on first use
 _LAZY = {
-    "BaseStrategy": "distrun.strategies.base",
-    "build_mesh": "distrun.strategies.mesh",
-    "init_single_process_group": "distrun.strategies.process_group",
-    "prepare_backend": "distrun.strategies.process_group",
-    "seed_everything": "distrun.train.rng",
-    "Run": "distrun.train.run",
-    "load_scheduler_states": "distrun.train.schedulers",
-    "scheduler_states": "distrun.train.schedulers",
-    "STEP_SYNC": "distrun.train.step_sync",
-    "host_launcher_store": "distrun.train.store_host",
-    "serve_store": "distrun.train.store_host",
-    "to_cpu": "distrun.train.tensors",
+    "BaseStrategy": "distrun._strategies.base",
+    "build_mesh": "distrun._strategies.mesh",
+    "init_single_process_group": "distrun._strategies.process_group",
+    "prepare_backend": "distrun._strategies.process_group",
+    "seed_everything": "distrun._train.rng",
+    "Run": "distrun._train.run",
+    "load_scheduler_states": "distrun._train.schedulers",
+    "scheduler_states": "distrun._train.schedulers",
+    "STEP_SYNC": "distrun._train.step_sync",
+    "host_launcher_store": "distrun._train.store_host",
+    "serve_store": "distrun._train.store_host",
+    "to_cpu": "distrun._train.tensors",
 }
 
 

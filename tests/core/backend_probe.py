@@ -13,11 +13,11 @@ mode = sys.argv[1]
 if mode == "plain":
     dist.init_process_group()
 else:
-    from distrun.config.parallel_dims import ParallelDims
-    from distrun.registry.manager import make_plugin_manager
-    from distrun.strategies.mesh import build_mesh
-    from distrun.strategies.process_group import init_process_group
-    from distrun.train.trainer import worker_config
+    from distrun._config.parallel_dims import ParallelDims
+    from distrun._registry.manager import make_plugin_manager
+    from distrun._strategies.mesh import build_mesh
+    from distrun._strategies.process_group import init_process_group
+    from distrun._train.trainer import worker_config
 
     config = worker_config(make_plugin_manager())
     init_process_group(config, torch.device("cpu"))

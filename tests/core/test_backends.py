@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.spec.backends import parse_backend
+from distrun._spec.backends import parse_backend
 from distrun.testing import run_cli
 
 HERE = Path(__file__).parent
@@ -103,10 +103,10 @@ def test_env_lists_each_backend_with_availability(cli, monkeypatch):
 def test_a_cpu_backend_on_a_gpu_run_is_told_the_device_map(monkeypatch):
     import torch.distributed as dist
 
-    from distrun.config.run_config import RunConfig
-    from distrun.registry.manager import make_plugin_manager
-    from distrun.spec.errors import UsageError
-    from distrun.strategies.process_group import prepare_backend
+    from distrun._config.run_config import RunConfig
+    from distrun._registry.manager import make_plugin_manager
+    from distrun._spec.errors import UsageError
+    from distrun._strategies.process_group import prepare_backend
 
     monkeypatch.syspath_prepend(str(HERE))
     # loading gloo2 makes it torch's CPU default in this process: undone after the test

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.binding import interface_addresses
+from distrun._launch.binding import interface_addresses
 from distrun.testing import run_cli
 
 TASK = """
@@ -317,7 +317,7 @@ def test_an_import_error_on_one_rank_is_its_traceback_once_then_one_line(tmp_pat
                                "No module named 'no_such_module_here' (its output is above)")
     # the user's frames only: none of the wrapper that ran the script
     assert 'File "imports.py", line 4, in <module>' in err, result
-    assert "runpy" not in err and "distrun/train/worker.py" not in err, result
+    assert "runpy" not in err and "distrun/_train/worker.py" not in err, result
     assert sorted(os.listdir(work)) == ["imports.py", "task.py"]  # a plain script: nothing
 
 

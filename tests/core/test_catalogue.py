@@ -11,10 +11,10 @@ import pathlib
 import pytest
 import tomllib
 
-from distrun.registry.catalogue import offered
+from distrun._registry.catalogue import offered
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CATALOGUE = tomllib.loads((ROOT / "core/distrun/registry/catalogue.toml").read_text())
+CATALOGUE = tomllib.loads((ROOT / "core/distrun/_registry/catalogue.toml").read_text())
 PROJECTS = sorted([*ROOT.glob("plugins/*/pyproject.toml"),
                    *ROOT.glob("plugins_contrib/*/pyproject.toml")])
 
@@ -41,7 +41,7 @@ def test_a_plugin_declares_what_it_registers_and_the_catalogue_repeats_it(toml):
     declared = project["tool"]["distrun"]["offers"]
     assert declared == _registered(module), f"{toml}: [tool.distrun.offers] is stale"
     assert CATALOGUE.get(project["project"]["name"]) == declared, \
-        f"core/distrun/registry/catalogue.toml differs from {toml}"
+        f"core/distrun/_registry/catalogue.toml differs from {toml}"
 
 
 def test_the_catalogue_lists_only_distributions_of_this_repository():

@@ -15,7 +15,7 @@ from distrun import __version__
 
 NO_TORCH = """
 import sys
-from distrun.cli.main import main
+from distrun._cli.main import main
 try:
     main({args!r})
 except SystemExit:

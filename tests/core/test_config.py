@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from distrun.config.run_config import RunConfig, core_options, resolve_config
-from distrun.spec.errors import UsageError
-from distrun.spec.options import Option
+from distrun._config.run_config import RunConfig, core_options, resolve_config
+from distrun._spec.errors import UsageError
+from distrun._spec.options import Option
 
 PLUGIN = Option("demo_level", int, 3, help="a plugin option", min=0, plugin="demo")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrun.spec.errors import UsageError
-from distrun.train.sampler import ResumableSampler, ShardedEvalSampler, epoch_permutation
+from distrun._spec.errors import UsageError
+from distrun._train.sampler import ResumableSampler, ShardedEvalSampler, epoch_permutation
 
 
 def global_batches(n, batch, world, epoch=0, cursor=0, seed=0):

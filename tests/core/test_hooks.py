@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.spec import hookspecs
+from distrun._spec import hookspecs
 from distrun.testing import run_cli
 
 SPEC_NAMES = sorted(n for n, f in vars(hookspecs).items()

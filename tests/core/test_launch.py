@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 from distrun.testing import run_cli
 
 TORCHRUN_SCRIPT = """

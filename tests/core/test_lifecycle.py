@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent, pid_alive
+from distrun._launch.lifeline import die_with_parent, pid_alive
 from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent

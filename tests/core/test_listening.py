@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.spec.errors import UsageError
+from distrun._spec.errors import UsageError
 from distrun.testing.sockets import HOLD_SCRIPT, listeners_of_held_run
 
 #: a Task: its first step waits until the test has looked
@@ -88,7 +88,7 @@ def test_an_interface_the_user_chose_for_gloo_is_kept(tmp_path):
 
 
 def test_the_bind_address_is_decided_in_one_place():
-    from distrun.launch.binding import bind_address
+    from distrun._launch.binding import bind_address
 
     assert bind_address(1) == bind_address(1, "localhost") == "127.0.0.1"
     assert bind_address(1, "::1") == "::1"
@@ -96,7 +96,7 @@ def test_the_bind_address_is_decided_in_one_place():
     # rank 0's (a routing lookup), or --local-addr; never every interface
     assert bind_address(2, "127.0.0.1") == "127.0.0.1"
     assert bind_address(2, "127.0.0.1", local_addr="127.0.0.1") == "127.0.0.1"
-    from distrun.launch.binding import interface_addresses, route_source
+    from distrun._launch.binding import interface_addresses, route_source
 
     source = route_source("10.0.0.1")
     if source is None:  # no route from here: one line, not torch's every interface

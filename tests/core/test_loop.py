@@ -61,7 +61,7 @@ def test_metrics_and_validation(distrun_pm, tmp_path):
 
 
 def test_model_summary_table(distrun_pm, tmp_path, capsys):
-    from distrun.train.summary import model_summary
+    from distrun._train.summary import model_summary
 
     text = model_summary(TinyTask().configure_model())
     lines = text.splitlines()
@@ -76,7 +76,7 @@ def _two_rank_fit(rank, world, run_dir, accum):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_task import TinyTask
 
-    from distrun.registry.manager import make_plugin_manager
+    from distrun._registry.manager import make_plugin_manager
 
     pm = make_plugin_manager(autoload=False, extra=["allreduce_strategy"])
     run = Trainer(plugin_manager=pm, strategy="allreduce", max_steps=6, batch_size=32, grad_accum=accum,
@@ -101,7 +101,7 @@ def test_two_ranks_match_one_process(distrun_pm, tmp_path, accum):
 def test_run_generation_comes_from_the_launch_environment(distrun_pm, tmp_path, monkeypatch,
                                                           capsys):
     """`run.generation`: the rendezvous round an elastic agent exports (0 without one)."""
-    from distrun.launch.generation import GENERATION_ENV
+    from distrun._launch.generation import GENERATION_ENV
 
     monkeypatch.delenv(GENERATION_ENV, raising=False)
     assert fit(tmp_path, max_steps=1, batch_size=32).generation == 0

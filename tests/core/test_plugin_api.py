@@ -107,7 +107,7 @@ def test_plugins_import_nothing_of_the_core_but_the_public_api():
 
 
 def test_the_scaffold_writes_a_plugin_of_the_public_api_only():
-    template = CORE / "cli" / "plugin_template"
+    template = CORE / "_cli" / "plugin_template"
     for path in template.glob("*.tmpl"):
         modules = re.findall(r"^\s*(?:from|import) (distrun[\w.]*)", path.read_text(), re.M)
         assert all(PUBLIC.match(m) for m in modules), (path.name, modules)

@@ -132,7 +132,7 @@ def test_misspelled_hook_is_an_error_naming_the_plugin(cli, tmp_path, monkeypatc
 
 
 def test_fresh_manager_fixture(distrun_pm):
-    from distrun.registry.manager import BUILTIN_PLUGINS
+    from distrun._registry.manager import BUILTIN_PLUGINS
 
     names = {name for name, plugin in distrun_pm.list_name_plugin() if plugin is not None}
     assert {"core", "single"} <= names <= set(BUILTIN_PLUGINS)

@@ -1,5 +1,5 @@
 """What a test starts ends with the test process, however that ends (issue 26, item 9):
-``die_with_parent`` for one child, ``distrun.launch.reaper`` for a server's whole tree (its
+``die_with_parent`` for one child, ``distrun._launch.reaper`` for a server's whole tree (its
 orphans and daemons included), both checked by killing the parent with SIGKILL."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from distrun.launch.lifeline import pid_alive
+from distrun._launch.lifeline import pid_alive
 
 #: the "test process": starts CMD (tied as asked), says its pids, then waits to be killed
 PARENT = """
 import subprocess, sys, time
-from distrun.launch.lifeline import die_with_parent
-from distrun.launch.reaper import reaped
+from distrun._launch.lifeline import die_with_parent
+from distrun._launch.reaper import reaped
 
 how, folder = sys.argv[1], sys.argv[2]
 # a server that leaves processes behind: a plain child, a double fork, a new session
@@ -77,7 +77,7 @@ def test_die_with_parent_ends_the_child_but_not_what_it_left(tmp_path):
 
 
 def test_the_reaper_returns_the_commands_exit_and_ends_what_it_left(tmp_path):
-    from distrun.launch.reaper import reaped
+    from distrun._launch.reaper import reaped
 
     left = tmp_path / "left"
     done = subprocess.run(reaped(["sh", "-c", f"(sleep 600 & echo $! > {left}); exit 5"]),

@@ -1,4 +1,4 @@
-"""The launcher's checks of a Task before any worker starts (distrun.cli.run_checks).
+"""The launcher's checks of a Task before any worker starts (distrun._cli.run_checks).
 
 A check that refuses a run the workers would accept is worse than none: these cases must pass
 through to the workers, and the certain ones must be caught.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distrun.cli.run_checks import task_lacks
+from distrun._cli.run_checks import task_lacks
 
 LACKS = {
     "subclass_of_distrun_task": "import distrun\nclass T(distrun.Task):\n    pass\n",

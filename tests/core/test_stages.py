@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distrun import Trainer, UsageError
-from distrun.loggers.csv_file import read_metrics
+from distrun._loggers.csv_file import read_metrics
 from distrun.testing import run_cli, run_on_ranks
 
 HERE = Path(__file__).parent

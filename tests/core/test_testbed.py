@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import pid_alive
+from distrun._launch.lifeline import pid_alive
 from distrun.testing import HostSpec
 from distrun.testing.hosts import Testbed, leftovers, sweep, unavailable
 from distrun.testing.hosts.netns import ETC_NETNS, NETNS_DIR, names_in

@@ -143,7 +143,7 @@ def test_no_python_runs_an_executable(tmp_path):
 
 
 def test_nproc_per_node_cpu_and_auto(cli, tmp_path):
-    from distrun.launch.local import resolve_nproc
+    from distrun._launch.local import resolve_nproc
 
     assert resolve_nproc("cpu") == (os.cpu_count() or 1)
     assert resolve_nproc("auto") >= 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.spec import hookspecs
+from distrun._spec import hookspecs
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

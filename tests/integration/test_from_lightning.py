@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.loggers.csv_file import read_metrics
+from distrun._loggers.csv_file import read_metrics
 from distrun.testing import run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_lightning.py"

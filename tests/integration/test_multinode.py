@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 from distrun.testing import free_port
 
 SUM_RANKS = """

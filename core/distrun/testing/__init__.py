@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from distrun.launch.lifeline import die_with, die_with_parent
-from distrun.launch.ports import free_port
+from distrun._launch.lifeline import die_with, die_with_parent
+from distrun._launch.ports import free_port
 from distrun.testing.hosts import HostSpec, Testbed, TestbedError, unavailable
 
 __all__ = ["CliResult", "HostSpec", "Testbed", "backend_plugins", "busy_cores", "cpu_backends",
@@ -65,8 +65,8 @@ def cpu_backends() -> dict[str, str | None]:
 
     gloo first, then the others by name: the order a backend matrix runs in.
     """
-    from distrun.registry.collect import collect_backends
-    from distrun.registry.manager import make_plugin_manager
+    from distrun._registry.collect import collect_backends
+    from distrun._registry.manager import make_plugin_manager
 
     offered = {n: i for n, i in collect_backends(make_plugin_manager()).items()
                if "cpu" in i.devices}
@@ -82,8 +82,8 @@ def backend_plugins(backend: str | None = None) -> list[str]:
     """
     from importlib.metadata import entry_points
 
-    from distrun.registry.manager import ENTRY_POINT_GROUP
-    from distrun.spec.backends import BackendInfo, parse_backend
+    from distrun._registry.manager import ENTRY_POINT_GROUP
+    from distrun._spec.backends import BackendInfo, parse_backend
 
     wanted = set(parse_backend(backend or os.environ.get("DISTRUN_BACKEND", "auto")).values())
     out = []
@@ -103,7 +103,7 @@ def only_plugins(modules: str) -> None:
     """Run this process's next fits with only the plugin ``modules`` (comma-separated), plus
     those offering ``$DISTRUN_BACKEND``'s backends: every Trainer builds its own manager from
     these settings (entry points off, ``DISTRUN_PLUGINS``)."""
-    from distrun.registry.manager import AUTOLOAD_ENV, EXTRA_ENV
+    from distrun._registry.manager import AUTOLOAD_ENV, EXTRA_ENV
 
     os.environ[AUTOLOAD_ENV] = "1"
     os.environ[EXTRA_ENV] = ",".join([modules, *backend_plugins()])
@@ -145,8 +145,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, init: b
 
             import torch.distributed as dist
 
-            from distrun.config.run_config import RunConfig
-            from distrun.strategies.process_group import prepare_backend
+            from distrun._config.run_config import RunConfig
+            from distrun._strategies.process_group import prepare_backend
 
             # a plugin's backend is checked and loaded as a run would (gloo: nothing to do)
             name = prepare_backend(RunConfig(backend=backend), "cpu")
@@ -233,7 +233,7 @@ def distrun_pm(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fresh plugin manager (built-ins only, no entry points); for the test, the managers
     Trainers build in this process load no entry points either (pass this one as
     ``Trainer(plugin_manager=distrun_pm)`` to share its plugins)."""
-    from distrun.registry.manager import AUTOLOAD_ENV, make_plugin_manager
+    from distrun._registry.manager import AUTOLOAD_ENV, make_plugin_manager
 
     monkeypatch.setenv(AUTOLOAD_ENV, "1")
     return make_plugin_manager(autoload=False)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 
 __all__ = ["HOLD_SCRIPT", "Listener", "exposed", "listeners_of_held_run",
            "listeners_while_running", "listening_sockets", "on_a_named_host", "process_tree"]

@@ -6,7 +6,7 @@ This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
   inside a step) is therefore killed promptly;
-- a worker that exits with :data:`distrun.train.run.EXIT_REQUEUE` (it saved a preemption checkpoint)
+- a worker that exits with :data:`distrun.plugin.EXIT_REQUEUE` (it saved a preemption checkpoint)
   or with a usage error (2) ends the run instead of being restarted;
 - the first failure's rank and last lines are kept, so it is reported once.
 
@@ -19,7 +19,7 @@ worker a client of a store already listening, so none waits out torch's connect 
 nodes, worker rank 0 hosts it.
 
 On one node both stores, the rendezvous store and each attempt's, listen only on the run's bind
-address (127.0.0.1, :mod:`distrun.launch.binding`): they are served on sockets bound here, and
+address (127.0.0.1, :func:`distrun.plugin.bind_address`): they are served on sockets bound here, and
 the workers' gloo sockets follow ``GLOO_SOCKET_IFNAME``.
 """
 
@@ -369,7 +369,7 @@ def _prepare_environ(plan: ElasticPlan, environ: dict[str, str]) -> None:
     os.environ.update(environ)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # torch's SubprocessHandler starts the workers from this process's main thread: they die
-    # with it (the worker entry point calls distrun.launch.lifeline.die_with_launcher).
+    # with it (the worker entry point calls distrun.plugin.die_with_launcher).
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = plan.signals or _FORWARDED
     if plan.nproc_per_node > 1:

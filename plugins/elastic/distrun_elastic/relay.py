@@ -1,7 +1,7 @@
 """Relay the workers' log files to the launcher's terminal through the core's relay.
 
 Torch's agent writes each worker's stdout and stderr into per-attempt files; the core's
-:class:`distrun.launch.relay.Relay` follows each file in a thread and prints its lines as the
+:class:`distrun.plugin.Relay` follows each file in a thread and prints its lines as the
 local launcher prints pipes (``--tee`` prefix, one tail per rank, a usage error said once).
 This module only starts and ends the following of each attempt's files.
 """

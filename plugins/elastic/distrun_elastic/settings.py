@@ -7,7 +7,7 @@ The choices made here:
 - a single-node run rendezvous on ``127.0.0.1`` (a free port), and so does a run whose endpoint
   is a loopback address;
 - every server of the node (the rendezvous store on the endpoint's host, each attempt's store on
-  the round's node 0, gloo) listens on the address :func:`distrun.launch.binding.bind_address`
+  the round's node 0, gloo) listens on the address :func:`distrun.plugin.bind_address`
   gives, never every interface: 127.0.0.1 on one node, else this node's address toward the
   endpoint's host (or ``--local-addr``), which torch's rendezvous also announces for the node
   (never the host name, which may resolve to the loopback);
@@ -68,7 +68,7 @@ class ElasticPlan:
     rdzv_configs: dict[str, Any] = field(default_factory=dict)
     monitor_interval: float = 0.1
     local_addr: str | None = None
-    #: where this node's stores and gloo listen (distrun.launch.binding; None: torch's default)
+    #: where this node's stores and gloo listen (distrun.plugin.bind_address; None: torch's default)
     bind_address: str | None = None
     log_dir: str = ""
     tee: bool = False

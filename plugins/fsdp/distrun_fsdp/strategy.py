@@ -1,7 +1,7 @@
 """``FSDPStrategy``: FSDP2 ``fully_shard`` over the data-parallel dimensions of a device mesh.
 
 The mesh is ``dp x tp`` (``dp_replicate x dp_shard x tp`` with HSDP), described by
-:class:`distrun.config.parallel_dims.ParallelDims` and published as ``run.stash[DEVICE_MESH]`` and
+:class:`distrun.plugin.ParallelDims` and published as ``run.stash[DEVICE_MESH]`` and
 ``strategy.mesh`` so the tp plugin can parallelize the model over ``"tp"`` first (2D).
 """
 

@@ -1,6 +1,6 @@
 """The pipeline strategies: ``pp`` (every rank a stage), ``pp+ddp`` and ``pp+fsdp``.
 
-The mesh is ``pp x dp`` (:class:`~distrun.config.parallel_dims.ParallelDims` with a ``pp``
+The mesh is ``pp x dp`` (:class:`distrun.plugin.ParallelDims` with a ``pp``
 degree). Ranks of one data-parallel replica (one rank per stage) see the same
 batch: the first stage reads its inputs, the last its targets. ``wrap_model`` cuts the model
 (:mod:`distrun_pipeline.split`), wraps each stage module for data parallelism, builds the

@@ -1,6 +1,6 @@
 """Read where this launcher sits in a job from the variables each scheduler sets (torch-free).
 
-Each reader returns a :class:`~distrun.spec.cluster.ClusterEnv` or None. They are tried most
+Each reader returns a :class:`distrun.plugin.ClusterEnv` or None. They are tried most
 specific first: a process that is already a torch worker (TorchElastic), an MPI rank (mpirun
 inside a SLURM allocation still sets the batch step's SLURM variables), a SLURM task, then a
 Kubernetes PyTorchJob pod. ``DISTRUN_CLUSTER_ENV=NAME`` forces one reader, ``=none`` turns

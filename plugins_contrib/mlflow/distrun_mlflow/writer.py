@@ -291,7 +291,7 @@ def _line(exc: BaseException) -> str:
 
 
 def render_plot(run: Any) -> str | None:
-    """The run's curves as an image in a temporary folder (see ``distrun.loggers.plot``)."""
+    """The run's curves as an image in a temporary folder (see ``distrun.plugin.plot_run``)."""
     from distrun.plugin import plot_run
 
     return plot_run(run, "distrun-mlflow")

@@ -3,7 +3,7 @@
 The launcher reserves one placement-group bundle per rank, places a :class:`RankHost` actor in
 each, gives every rank torchrun's variables (rank 0's node address and a port free there as the
 master) and streams the workers' lines back. Each rank's servers listen on its node's address
-only, on one node or several (:mod:`distrun.launch.binding`): rank 0's actor binds the store's
+only, on one node or several (:func:`distrun.plugin.bind_address`): rank 0's actor binds the store's
 socket there and hands it to its worker, and each rank's gloo gets its node address's
 interface. When a rank fails the others are stopped, the rank and its last lines are reported
 and, with ``--ray-max-restarts N``, the whole group starts

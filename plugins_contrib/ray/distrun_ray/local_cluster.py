@@ -12,7 +12,7 @@ then SIGKILL to whatever of its process tree is still alive. A SIGTERM to the wh
 once is slower: the GCS and the autoscaler monitor then wait for each other for ~15 s.
 
 The head also ends when the process that started it does, however that ends (a test run
-killed by its timeout, kill -9): ``ray start`` runs under :mod:`distrun.launch.reaper`, which
+killed by its timeout, kill -9): ``ray start`` runs under :func:`distrun.plugin.reaped`, which
 the kernel signals at its parent's death and which then stops the head the same way, every
 process Ray started included (they would otherwise be reparented to init and run on), and
 removes its session folder.

@@ -165,7 +165,7 @@ class WandbLogger:
 
 
 def render_plot(run: Any) -> str | None:
-    """The run's curves as an image in a temporary folder (see ``distrun.loggers.plot``)."""
+    """The run's curves as an image in a temporary folder (see ``distrun.plugin.plot_run``)."""
     from distrun.plugin import plot_run
 
     return plot_run(run, "distrun-wandb")

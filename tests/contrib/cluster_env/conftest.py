@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 
 #: variables a scheduler or launcher may have left in the test's own environment
 _SCHEDULER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "PET_",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent
-from distrun.loggers.csv_file import read_metrics
+from distrun._launch.lifeline import die_with_parent
+from distrun._loggers.csv_file import read_metrics
 from distrun.testing import run_cli
 
 pytest.importorskip("mlflow", reason="distrun-mlflow needs mlflow-skinny")

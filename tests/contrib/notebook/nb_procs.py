@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from distrun.launch.lifeline import pid_alive
+from distrun._launch.lifeline import pid_alive
 
 alive = pid_alive  # a running (not zombie) process
 

@@ -18,7 +18,7 @@ import pytest
 import torch  # imported here as a notebook would: the forked ranks inherit it
 
 import distrun
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 from distrun.testing import imports_torch
 from distrun.testing.sockets import listeners_of_held_run
 from distrun_notebook import FitResult, LaunchFailed, notebook_launcher
@@ -342,7 +342,7 @@ def test_refusals_name_the_fix():
 def test_refused_while_a_process_group_exists():
     import torch.distributed as dist
 
-    from distrun.launch.ports import free_port
+    from distrun._launch.ports import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)

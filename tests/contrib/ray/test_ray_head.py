@@ -84,7 +84,7 @@ def test_the_head_is_stopped_with_everything_it_started(h, tmp_path):
 def test_a_pytest_killed_outright_leaves_no_ray_head(tmp_path):
     """A test run ended by kill -9 (a CI timeout, an OOM kill) runs no fixture teardown: the
     head still ends, every process Ray started with it, within a bound."""
-    from distrun.launch.lifeline import pid_alive
+    from distrun._launch.lifeline import pid_alive
 
     held = tmp_path / "head.json"
     inner = subprocess.Popen(

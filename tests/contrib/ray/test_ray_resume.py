@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.lifeline import die_with_parent
+from distrun._launch.lifeline import die_with_parent
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install ray, or tox -e contrib-ray)")
 pytest.importorskip("distrun_ray", reason="distrun-ray is not installed (tox -e contrib-ray)")

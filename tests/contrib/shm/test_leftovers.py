@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from distrun.launch.lifeline import pid_start_time
+from distrun._launch.lifeline import pid_start_time
 from distrun.testing import run_cli
 
 #: rank 1 stalls just before it maps the group's segment: rank 0 has created it and waits,
@@ -57,7 +57,7 @@ def _states(listing: str) -> dict[str, str]:
 
 
 def test_a_segment_left_by_a_killed_launcher_is_listed_abandoned_and_cleaned(tmp_path: Path):
-    from distrun.launch.lifeline import pid_alive
+    from distrun._launch.lifeline import pid_alive
     from distrun.testing.sockets import process_tree
     from distrun_shm.backend import segment_prefix
 

@@ -71,7 +71,7 @@ def reference_params() -> dict[str, torch.Tensor]:
     """TinyTask trained by a hand-written one-process loop, in distrun's data order."""
     import random
 
-    from distrun.train.sampler import epoch_permutation
+    from distrun._train.sampler import epoch_permutation
 
     random.seed(SEED)
     torch.manual_seed(SEED)  # what the loop seeds before configure_model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distrun.launch.folder_lock import LOCK_FILE
+from distrun._launch.folder_lock import LOCK_FILE
 from distrun.testing import free_port
 
 HERE = Path(__file__).resolve().parent

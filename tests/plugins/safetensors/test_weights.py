@@ -343,8 +343,8 @@ def test_every_layout_on_two_ranks_reads_only_its_part(tmp_path):
 
 
 def _strategies() -> set[str]:
-    from distrun.registry.collect import collect_strategies
-    from distrun.registry.manager import make_plugin_manager
+    from distrun._registry.collect import collect_strategies
+    from distrun._registry.manager import make_plugin_manager
 
     return set(collect_strategies(make_plugin_manager()))
 

@@ -1,4 +1,4 @@
-"""distrun.config.parallel_dims: the validated degrees of a dp x tp (x HSDP) mesh (torch-free)."""
+"""distrun._config.parallel_dims: the validated degrees of a dp x tp (x HSDP) mesh (torch-free)."""
 
 from __future__ import annotations
 
@@ -39,4 +39,4 @@ def test_tp_that_does_not_divide_the_world() -> None:
 
 
 def test_torch_free() -> None:
-    assert not imports_torch("distrun.config.parallel_dims", "distrun_tp.plugin")
+    assert not imports_torch("distrun._config.parallel_dims", "distrun_tp.plugin")

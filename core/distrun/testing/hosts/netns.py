@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 
-from distrun.launch.lifeline import pid_alive
+from distrun._launch.lifeline import pid_alive
 
 __all__ = ["ETC_NETNS", "NETNS_DIR", "PREFIX", "TestbedError", "leftovers", "sweep"]
 

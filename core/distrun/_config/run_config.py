@@ -1,0 +1,393 @@
+"""The run config: one frozen, validated dataclass built from flags, env, a TOML file and code.
+
+Precedence, highest first: command-line flag > ``DISTRUN_*`` environment variable > TOML file
+(``--config``) > keyword arguments given in code (``Trainer(max_epochs=3)``) > default.
+Core fields are declared here once; their CLI flags are derived from them. Plugin options live
+in ``plugin_options`` and read as attributes too (``config.ddp_bucket_mb``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+from distrun._spec.errors import UsageError, suggest
+from distrun._spec.options import Option, coerce
+
+__all__ = ["RunConfig", "core_options", "resolve_config", "with_values", "CONFIG_ENV"]
+
+#: the launcher hands the resolved explicit values to workers in this variable (JSON)
+CONFIG_ENV = "DISTRUN_CONFIG"
+
+
+#: torchrun's ``--nproc-per-node`` words: a device count, this machine's CPUs, or either
+NPROC_WORDS = ("auto", "cpu", "gpu")
+#: the signals torchrun's agent handles (exported as TORCHELASTIC_SIGNALS_TO_HANDLE)
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+_STD = re.compile(r"^[0-3]$|^[0-9]+:[0-3](,[0-9]+:[0-3])*$")
+
+
+def _nproc(value: str) -> int | str:
+    if value in NPROC_WORDS:
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError("is not a number of processes (use N >= 1, cpu, gpu or auto)") from None
+    if n < 1:
+        raise ValueError("is too few: start at least 1 process (or use cpu, gpu or auto)")
+    return n
+
+
+def _std(value: str) -> str:
+    """torchrun's ``--redirects``/``--tee`` value: 0-3, or LOCAL_RANK:N,... per rank."""
+    value = value.strip()
+    if not _STD.match(value):
+        raise ValueError("is not a torchrun stream choice (0 none, 1 stdout, 2 stderr, 3 both; "
+                         "or per local rank, e.g. 0:3,1:0)")
+    return value
+
+
+def _ranks_filter(value: str) -> str:
+    value = value.strip()
+    if not value:
+        return ""  # every rank
+    try:
+        ranks = [int(r) for r in value.split(",")]
+    except ValueError:
+        raise ValueError("is not a comma-separated list of local ranks (e.g. 0 or 0,1)") from None
+    if any(r < 0 for r in ranks):
+        raise ValueError("names a negative local rank")
+    return ",".join(map(str, ranks))
+
+
+def _signals(value: str) -> str:
+    import signal
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals)]
+    if bad or not names:
+        raise ValueError(f"names no signal{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                         f"(use names such as {DEFAULT_SIGNALS})")
+    return ",".join(names)
+
+
+def _run_name(value: str) -> str:
+    if "/" in value or "\\" in value or value in (".", "..") or ".." in value:
+        raise ValueError("must be a plain folder name: no '/', '\\' or '..' (use --run-dir "
+                         "PATH to put the run folder elsewhere)")
+    return value
+
+
+#: what ``--stage`` accepts, in a comma-separated list run in order
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def _stages(value: str) -> str:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in STAGES]
+    if bad or not names:
+        raise ValueError(f"names no stage {', '.join(bad)!s} (use {', '.join(STAGES)}, or "
+                         "several in order: fit,test)")
+    return ",".join(names)
+
+
+def _backend(value: str) -> str:
+    from distrun._spec.backends import parse_backend
+
+    parse_backend(value)  # the ValueError says what is wrong
+    return value.strip().lower() or "auto"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that shapes a run. Build it with :func:`resolve_config`; it is immutable."""
+
+    # --- what to train and how -----------------------------------------------------------
+    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)",
+                         launcher_only=True)
+    seed: int = _opt(0, "seed of model init, data order and RNG", min=0)
+    max_epochs: int = _opt(1, "epochs to train", min=1)
+    max_steps: int = _opt(-1, "stop after this many optimizer steps (-1: no limit)", min=-1)
+    batch_size: int = _opt(32, "GLOBAL batch per micro-step, split evenly across data ranks", min=1)
+    grad_accum: int = _opt(1, "micro-batches per optimizer step", min=1)
+    grad_clip: float = _opt(0.0, "clip the gradient norm to this value (0: off)", min=0)
+    val_every_n_steps: int = _opt(0, "validate every N steps (0: at each epoch end)", min=0)
+    log_every_n_steps: int = _opt(10, "reduce and log metrics every N steps", min=1)
+    num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
+    device: str = _opt("auto", "device type", choices=("auto", "cpu", "cuda"))
+    backend: str = _opt("auto", "communication backend: a name (gloo, nccl, mpi, or one a "
+                                "plugin offers: `distrun env` lists them) or a device map "
+                                "(cpu:gloo,cuda:nccl); 'auto': nccl on CUDA, gloo on CPU",
+                        parse=_backend, metavar="NAME|DEVICE:NAME,...", launcher_only=True)
+    nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
+                                      "step, or ignore it", choices=("warn", "stop", "ignore"))
+    timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
+    resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
+                               "'latest' (the same, but one must exist), 'best' (the best-k "
+                               "one, with --ckpt-monitor) or a PATH",
+                       consumer="distrun_load_checkpoint")
+    name: str = _opt("", "run name (default: the script's name and the start time)",
+                     parse=_run_name)
+    run_dir: str = _opt("", "run folder (default: runs/NAME; a plain torchrun script gets one "
+                            "only when asked: --name or --run-dir)", exclusive=True)
+    stage: str = _opt("fit", "what to run: fit, validate, test or predict, or several in order "
+                             "(fit,test); an evaluation alone loads --resume's checkpoint",
+                      parse=_stages, metavar="STAGE[,STAGE]")
+    compile: bool = _opt(False, "torch.compile the model (after the strategy's wrapping; "
+                                "checkpoint keys stay the module's)")
+    predictions: str = _opt("return", "predict: gather the outputs in dataset order on every "
+                                      "rank, or write each rank's to RUN_DIR/predictions",
+                            choices=("return", "write"))
+    summary: bool = _opt(True, "print the model summary table on rank 0")
+    debug: bool = _opt(False, "show tracebacks for user errors")
+    # --- launcher ------------------------------------------------------------------------
+    nproc_per_node: Any = _opt(
+        1, "worker processes on this node; cpu: one per CPU, gpu: one per GPU, auto: per GPU "
+           "if there are any, else per CPU", parse=_nproc,
+        aliases=("--nproc_per_node",), metavar="N|cpu|gpu|auto", type=str, launcher_only=True,
+    )
+    nnodes: str = _opt("1", "nodes (N, or MIN:MAX with the elastic plugin)", launcher_only=True)
+    node_rank: int = _opt(0, "rank of this node", min=0, aliases=("--node_rank",),
+                          launcher_only=True)
+    master_addr: str = _opt("127.0.0.1", "address of rank 0's node",
+                            aliases=("--master_addr",), launcher_only=True)
+    master_port: int = _opt(0, "port of rank 0's store (0: a free port)", min=0, max=65535,
+                            aliases=("--master_port",), launcher_only=True)
+    local_addr: str = _opt("", "this node's address, the one the other nodes reach (default: "
+                               "what this host's name resolves to); gloo uses its interface",
+                           aliases=("--local_addr",), metavar="ADDRESS", launcher_only=True)
+    tee: bool = _opt(False, "prefix each worker line with its rank (torchrun's --tee N, N>0, "
+                            "means the same)", launcher_only=True)
+    # --- torchrun's other launcher flags, with torchrun's meaning ----------------------------
+    standalone: bool = _opt(False, "one node, rendezvous on 127.0.0.1 and a free port (what "
+                                   "distrun does anyway on one node)", launcher_only=True)
+    log_dir: str = _opt("", "write each rank's output to DIR/rank<N>.log and torch's error "
+                            "files to DIR/rank<N>.error.json", aliases=("--log_dir",),
+                        metavar="DIR")
+    redirects: str = _opt("0", "torchrun's --redirects: streams (1 stdout, 2 stderr, 3 both, or "
+                               "LOCAL_RANK:N,...) that go only to the log files, not the console",
+                          parse=_std, aliases=("-r",), metavar="N", launcher_only=True)
+    local_ranks_filter: str = _opt("", "show only these local ranks' output on the console "
+                                       "(all of it still goes to the log files)",
+                                   parse=_ranks_filter, aliases=("--local_ranks_filter",),
+                                   metavar="R,...", launcher_only=True)
+    role: str = _opt("default", "worker role, exported as ROLE_NAME")
+    start_method: str = _opt("spawn", "how torchrun starts function entry points; scripts "
+                                      "always start as new processes, as under torchrun",
+                             choices=("spawn", "fork", "forkserver"),
+                             aliases=("--start_method",), launcher_only=True)
+    no_python: bool = _opt(False, "run TARGET as an executable, not a Python script",
+                           aliases=("--no_python",), launcher_only=True)
+    run_path: bool = _opt(False, "run TARGET with runpy.run_path (as torchrun --run-path)",
+                          aliases=("--run_path",), launcher_only=True)
+    signals_to_handle: str = _opt(DEFAULT_SIGNALS, "signals the workers are told to handle "
+                                                   "(TORCHELASTIC_SIGNALS_TO_HANDLE)",
+                                  parse=_signals, aliases=("--signals_to_handle",),
+                                  metavar="SIG,...", launcher_only=True)
+    # --- plugin options and provenance (not flags) ---------------------------------------
+    plugin_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: the plugin manager whose plugins declared the options (pytest's config.pluginmanager):
+    #: it travels with the config instead of living in a process global. Not data: never
+    #: serialized or compared, and None in a config built without plugins.
+    pluginmanager: Any = field(default=None, compare=False, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        opts = self.__dict__.get("plugin_options", {})
+        if name in opts:
+            return opts[name]
+        raise AttributeError(f"RunConfig has no option {name!r}")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """Return the core field or plugin option ``name``, or ``default`` when undeclared."""
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            return default
+
+    @property
+    def world_size_requested(self) -> int | None:
+        """nproc_per_node x nnodes when both are fixed numbers, else None."""
+        if isinstance(self.nproc_per_node, int) and self.nnodes.isdigit():
+            return self.nproc_per_node * int(self.nnodes)
+        return None
+
+    def explicit(self) -> dict[str, Any]:
+        """The values that did not come from the default (what workers must reproduce)."""
+        out = {k: getattr(self, k) for k in self.sources if k in _CORE_NAMES}
+        out.update({k: v for k, v in self.plugin_options.items() if k in self.sources})
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"values": self.explicit(), "sources": dict(self.sources)})
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _CORE_NAMES}
+        out.update(self.plugin_options)
+        return out
+
+
+_CORE_NAMES = frozenset(f.name for f in fields(RunConfig) if "help" in f.metadata)
+
+
+def core_options() -> list[Option]:
+    """The core fields of :class:`RunConfig` as :class:`Option` declarations."""
+    out = []
+    for f in fields(RunConfig):
+        if "help" not in f.metadata:
+            continue
+        meta = dict(f.metadata)
+        typ = meta.pop("type", None) or {"int": int, "float": float, "bool": bool}.get(
+            str(f.type), str
+        )
+        out.append(Option(name=f.name, type=typ, default=f.default, **meta))
+    return out
+
+
+def resolve_config(
+    options: Iterable[Option],
+    *,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+    code: Mapping[str, Any] | None = None,
+    inherited: Mapping[str, Any] | None = None,
+    inherited_sources: Mapping[str, str] | None = None,
+    pluginmanager: Any = None,
+) -> RunConfig:
+    """Merge every source into a validated :class:`RunConfig`.
+
+    ``flags`` are raw values the user typed (name -> str); ``inherited`` are values a launcher
+    already resolved (from ``DISTRUN_CONFIG``), which rank like flags and keep the sources the
+    launcher saw (``inherited_sources``). ``pluginmanager``: the manager whose plugins gave
+    ``options``, kept on the config (``config.pluginmanager``).
+    """
+    opts = {o.name: o for o in options}
+    environ = os.environ if environ is None else environ
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if code:
+        _reject_unknown(code, opts, "Trainer(...) arguments")
+        layers.append(("code", code))
+    if config_file:
+        layers.append((config_file, _read_toml(config_file, opts)))
+    env_values = {n: environ[o.env_var] for n, o in opts.items() if o.env_var in environ}
+    if env_values:
+        layers.append(("env", env_values))
+    if inherited:
+        layers.append(("launcher", {k: v for k, v in inherited.items() if k in opts}))
+    if flags:
+        _reject_unknown(flags, opts, "command-line flags")
+        layers.append(("flag", flags))
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, layer in layers:
+        for name, raw in layer.items():
+            if raw is None:
+                continue
+            opt = opts[name]
+            label = opt.env_var if source == "env" else source
+            if source == "launcher" and inherited_sources:
+                label = inherited_sources.get(name, source)
+            values[name] = coerce(opt, raw, label) if source != "launcher" else raw
+            sources[name] = label
+    core = {k: v for k, v in values.items() if k in _CORE_NAMES}
+    plugin = {n: values.get(n, o.default) for n, o in opts.items() if n not in _CORE_NAMES}
+    config = RunConfig(**core, plugin_options=MappingProxyType(plugin),
+                       sources=MappingProxyType(sources), pluginmanager=pluginmanager)
+    _check(config)
+    return config
+
+
+def _reject_unknown(given: Mapping[str, Any], opts: Mapping[str, Option], where: str) -> None:
+    for key in given:
+        if key not in opts:
+            raise UsageError(
+                f"unknown option '{key}' in {where}{suggest(key, opts)} "
+                f"(see `distrun run --help` for the options installed plugins add)"
+            )
+
+
+def _read_toml(path: str, opts: Mapping[str, Option]) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"config file not found: {path} (check the --config path)") from None
+    except IsADirectoryError:
+        raise UsageError(f"--config {path} is a folder; give the TOML file itself (e.g. "
+                         f"{os.path.join(path, 'config.toml')})") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    # A [distrun] table or top-level keys; plugin tables ([ddp]) flatten to ddp_<key>.
+    if isinstance(data.get("distrun"), dict):
+        data = {**{k: v for k, v in data.items() if k != "distrun"}, **data["distrun"]}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                flat[f"{key}_{sub}"] = v
+        else:
+            flat[key] = value
+    for key in flat:
+        if key not in opts:
+            raise UsageError(
+                f"unknown key '{key}' in {path}{suggest(key, opts)} "
+                "(remove it, or install the plugin that declares it)"
+            )
+    return flat
+
+
+#: ``--resume`` words (anything else is a path): ``best`` is the checkpoint plugin's best-k one
+RESUME_WORDS = ("never", "auto", "latest", "best")
+
+
+def _check(config: RunConfig) -> None:
+    if config.resume not in RESUME_WORDS and not os.path.exists(config.resume):
+        raise UsageError(
+            f"--resume {config.resume}: no such checkpoint "
+            "(use 'auto', 'latest', 'best', 'never' or an existing path)"
+        )
+    if config.resume not in RESUME_WORDS and not os.path.isdir(config.resume):
+        raise UsageError(
+            f"--resume {config.resume} is a file; give a checkpoint folder (step-N), a "
+            "checkpoints folder or a run folder"
+        )
+    nnodes = config.nnodes
+    parts = nnodes.split(":")
+    if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)):
+        raise UsageError(f"invalid value for --nnodes: {nnodes!r} (use N or MIN:MAX, e.g. 2 or 1:2)")
+    if len(parts) == 1 and config.node_rank >= int(nnodes):
+        raise UsageError(
+            f"--node-rank {config.node_rank} is out of range for --nnodes {nnodes} "
+            f"(use 0..{int(nnodes) - 1})"
+        )
+
+
+def with_values(config: RunConfig, source: str = "launcher", **values: Any) -> RunConfig:
+    """A copy of ``config`` with some fields set (recorded as coming from ``source``)."""
+    core = {k: v for k, v in values.items() if k in _CORE_NAMES}
+    plugin = dict(config.plugin_options)
+    plugin.update({k: v for k, v in values.items() if k not in _CORE_NAMES})
+    sources = {**config.sources, **{k: source for k in values}}
+    return replace(config, **core, plugin_options=MappingProxyType(plugin),
+                   sources=MappingProxyType(sources))
+
+

@@ -1,0 +1,200 @@
+"""The run folder ``runs/<name>/``: the resolved config, per-rank logs, metrics, checkpoints.
+
+``--name`` and ``--run-dir`` choose it; an existing folder of an earlier run is never written
+into again (the run gets ``NAME-2``) unless the run continues it (``--resume``). A plain
+torchrun script gets no folder unless one is asked for (``--name``, ``--run-dir``; ``--log-dir``
+puts only the logs somewhere); a Task does. The launcher of node 0 (or rank 0 when the launcher made no
+folder, or without ``distrun run``) writes ``config.toml``: every option with the source of its value,
+loadable again with ``--config``. The local launcher appends each
+worker's output to ``logs/rank<N>.log``; ``metrics.csv`` comes from :mod:`distrun._loggers.csv_file`
+and checkpoints go to ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from distrun._launch.folder_lock import (
+    RUN_KEY_ENV,
+    first_missing,
+    lock_run_folders,
+    make_folder,
+    release_all,
+    remove_empty,
+    run_key,
+)
+from distrun._registry.manager import manager_of
+from distrun._spec.errors import DistrunError
+from distrun._spec.markers import hookimpl
+
+__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "render_config",
+           "value_sources", "write_config"]
+
+CONFIG_FILE = "config.toml"
+LOG_DIR = "logs"
+
+
+def value_sources(config: Any) -> dict[str, str]:
+    """Where each value came from: the launcher's record beats the worker's "launcher" label."""
+    from distrun._config.run_config import CONFIG_ENV
+
+    sources = dict(config.sources)
+    raw = os.environ.get(CONFIG_ENV)
+    if raw:
+        try:
+            launcher = json.loads(raw).get("sources", {})
+        except ValueError:
+            launcher = {}
+        for name, source in launcher.items():
+            if sources.get(name) in (None, "launcher"):
+                sources[name] = source
+    return sources
+
+
+def config_options(config: Any) -> list[Any]:
+    """Option declarations for rendering ``config`` without calling any hook again.
+
+    Core fields keep their help and order; plugin options are listed under "plugins" (a
+    worker has their values, not their declarations, and must not re-run
+    ``distrun_register_options``).
+    """
+    from distrun._config.run_config import core_options
+    from distrun._spec.options import Option
+
+    core = core_options()
+    names = {o.name for o in core}
+    return core + [Option(name=n, plugin="plugins") for n in config.plugin_options
+                   if n not in names]
+
+
+def render_config(config: Any, options: list[Any] | None = None, header: str = "") -> str:
+    """``config`` as TOML with each value's source (see :func:`.toml_file.render_toml`)."""
+    from distrun._config.toml_file import render_toml
+
+    options = config_options(config) if options is None else options
+    return render_toml(options, config.as_dict(), value_sources(config), header=header)
+
+
+def write_config(config: Any, path: str, options: list[Any] | None = None) -> None:
+    """Write ``config`` as TOML with sources to ``path`` (atomically)."""
+    command = " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    header = (f"Resolved config of run {config.name!r}, written "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
+              f"Each value's source follows it; defaults are commented out. Load again "
+              f"with `distrun run --config {path} ...`.")
+    _write_atomic(path, render_config(config, options, header=header))
+
+
+@hookimpl(wrapper=True)
+def distrun_launch(config, command, environ, cluster):
+    """Lock the run's folders, write ``config.toml``, launch; undo both if it never started.
+
+    The launcher knows every value's source, and runs for torchrun scripts too. A launch that
+    a launcher refuses (a busy port, a node range without the elastic plugin) raises before any
+    worker starts: what was made for it is removed, so a rejected run leaves no folder.
+    """
+    from distrun._registry.collect import collect_options
+
+    # The launcher has the declarations: group plugin options by plugin, with help.
+    options = collect_options(manager_of(config))
+    locks = []
+    if owns_folders(config, cluster):
+        locks = lock_run_folders(config, options, environ.get(RUN_KEY_ENV) or run_key())
+    written, before, made = None, None, None
+    started = False
+    try:
+        if config.node_rank == 0 and config.run_dir:
+            made = first_missing(config.run_dir)
+            written = os.path.join(config.run_dir, CONFIG_FILE)
+            before = _read(written)  # a run it continues wrote one
+            write_config(config, written, options)
+        result = yield
+        started = True
+        return result
+    except DistrunError:
+        if written is not None:  # refused before any worker started: as it was
+            _restore(written, before)
+        raise
+    finally:
+        release_all(locks, abandon=not started)
+        if not started and made is not None:
+            remove_empty(config.run_dir, made)
+
+
+def owns_folders(config: Any, cluster: Any) -> bool:
+    """True when this launcher holds the run's folder locks: it alone runs the run's node.
+
+    Across nodes, or with one launcher per rank (srun, mpirun), rank 0's worker holds them.
+    """
+    from distrun._launch.local import per_process_cluster
+
+    return config.nnodes in ("1", "1:1") and per_process_cluster(config, cluster) is None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _restore(path: str, text: str | None) -> None:
+    """Put ``path`` back as it was: ``text``, or no file."""
+    try:
+        if text is None:
+            os.unlink(path)
+        else:
+            _write_atomic(path, text)
+    except OSError:
+        pass
+
+
+def _header(path: str) -> str:
+    """The comment block that opens the file at ``path`` (the launcher's command and time)."""
+    lines = []
+    with open(path) as fh:
+        for line in fh:
+            if not line.startswith("#"):
+                break
+            lines.append(line[2:].rstrip("\n"))
+    return "\n".join(lines)
+
+
+def add_code_values(config: Any, path: str) -> None:
+    """Write the launcher's ``config.toml`` again with the values the task gave in code.
+
+    The launcher cannot see ``Trainer(max_epochs=3)``; rank 0 renders the whole file again
+    from its own config, which carries the launcher's sources, and keeps the launcher's header.
+    """
+    if "code" not in config.sources.values() or not os.path.exists(path):
+        return
+    from distrun._registry.collect import collect_options
+
+    text = render_config(config, collect_options(manager_of(config)), header=_header(path))
+    _write_atomic(path, text)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    make_folder(os.path.dirname(path) or ".")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+@hookimpl
+def distrun_configure(config):
+    from distrun._config.run_config import CONFIG_ENV
+
+    if int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
+        return
+    path = os.path.join(config.run_dir, CONFIG_FILE)
+    if CONFIG_ENV in os.environ and os.path.exists(path):
+        add_code_values(config, path)  # launched: the launcher wrote it; add values from code
+    else:  # `python train.py`, or a script the launcher gave no folder: a Task wants one
+        write_config(config, path)

@@ -1,0 +1,24 @@
+"""Stash keys the core owns: values several plugins publish or read (see :mod:`.stash`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from distrun._spec.stash import StashKey
+
+if TYPE_CHECKING:
+    from distrun._config.parallel_dims import ParallelDims
+
+__all__ = ["CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "UNEVEN_EPOCH"]
+
+#: the run's ``torch.distributed.device_mesh.DeviceMesh``, set by mesh-building strategies
+DEVICE_MESH: StashKey[Any] = StashKey("device_mesh")
+#: the run's validated parallel degrees, set next to :data:`DEVICE_MESH`
+PARALLEL_DIMS: StashKey[ParallelDims] = StashKey("parallel_dims")
+#: more ``torch.distributed.algorithms.Joinable`` objects for uneven-input handling
+JOINABLES: StashKey[list[Any]] = StashKey("joinables")
+#: True while an epoch runs with ranks that may hold different batch counts (under Join):
+#: the loop then keeps in-epoch validation for the end of the epoch
+UNEVEN_EPOCH: StashKey[bool] = StashKey("uneven_epoch")
+#: the name of the plugin that shows metrics its own way; the console line stays quiet then
+CONSOLE_OWNER: StashKey[str] = StashKey("console_owner")

@@ -1,0 +1,138 @@
+"""Run options: one declaration gives a CLI flag, a TOML key and a DISTRUN_* variable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrun._spec.errors import UsageError
+
+__all__ = ["Option", "coerce", "plugin_options"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run option, declared by core or a plugin through ``distrun_register_options``.
+
+    ``name`` is the config field (``ddp_bucket_mb``); the flag is ``--ddp-bucket-mb``, the TOML
+    key ``ddp_bucket_mb`` and the environment variable ``DISTRUN_DDP_BUCKET_MB``.
+    ``type`` is one of bool, int, float, str; ``choices`` limits the values; ``min`` bounds
+    numbers from below and ``max`` from above; ``parse`` replaces the built-in conversion for special values.
+    ``consumer`` names the hook that reads the option when the option's reader is another
+    plugin than its declarer (``resume``: ``distrun_load_checkpoint``): a value the user set
+    while no plugin implements that hook is an error, not a silent no-op.
+    ``exclusive`` marks a folder option that one live run uses at a time (the run folder, a
+    checkpoint folder): the core locks the folder for the run's life and refuses a second run
+    (:mod:`distrun._launch.folder_lock`).
+    ``launcher_only`` marks an option only a launcher reads (``--nproc-per-node``,
+    ``--max-restarts``): no script has one of its own, so given after a script it is warned
+    about (it goes to the script, and distrun never sees it).
+    """
+
+    name: str
+    type: type = str
+    default: Any = None
+    help: str = ""
+    choices: Sequence[str] | None = None
+    min: float | None = None
+    max: float | None = None
+    aliases: Sequence[str] = ()
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    plugin: str = "core"
+    hidden: bool = field(default=False, compare=False)
+    consumer: str = ""
+    exclusive: bool = False
+    launcher_only: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return "DISTRUN_" + self.name.upper()
+
+
+def plugin_options(register: Callable[[Option], Any], plugin: str,
+                   **common: Any) -> Callable[..., Option]:
+    """``opt(name, type, default, help, **kw)``: declare one option of ``plugin`` and register it.
+
+    For ``distrun_register_options(register)``: ``opt = plugin_options(register, "ddp")``.
+    ``common`` applies to every option (``hidden=True``); ``kw`` of one call overrides it.
+    """
+
+    def opt(name: str, type: type = str, default: Any = None, help: str = "",
+            **kw: Any) -> Option:
+        option = Option(name=name, type=type, default=default, help=help, plugin=plugin,
+                        **{**common, **kw})
+        register(option)
+        return option
+
+    return opt
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def coerce(option: Option, value: Any, source: str) -> Any:
+    """Convert ``value`` (a string from a flag/env or a TOML value) and validate it.
+
+    ``source`` names where the value came from (``--flag``, ``DISTRUN_X``, ``run.toml``) so the
+    error can point at it.
+    """
+    if value is None:
+        return None
+    where = f"{option.flag}" if source == "flag" else f"'{option.name}' in {source}"
+    try:
+        if option.parse is not None and isinstance(value, (str, int, float)) \
+                and not isinstance(value, bool):
+            out = option.parse(str(value))  # a TOML number too: `nproc_per_node = 2`
+        elif option.type is bool:
+            out = _to_bool(value)
+        elif option.type is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(value)
+        elif option.type is float:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+        else:
+            if not isinstance(value, str):
+                raise ValueError
+            out = value
+    except (ValueError, TypeError, OverflowError) as exc:
+        if option.parse is not None and str(exc):
+            # the parser's own reason says what is allowed ("must be at least 1, ...")
+            raise UsageError(f"invalid value for {where}: {value!r} {exc}") from None
+        kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(
+            option.type, "a string"
+        )
+        detail = f" ({exc})" if str(exc) else ""
+        raise UsageError(
+            f"invalid value for {where}: {value!r} is not {kind}{detail}; "
+            f"example: {option.flag} {option.default if option.default is not None else 1}"
+        ) from None
+    if option.choices is not None and out not in option.choices:
+        from distrun._spec.errors import suggest
+
+        raise UsageError(
+            f"invalid value for {where}: {out!r}{suggest(str(out), option.choices)} "
+            f"Allowed: {', '.join(map(str, option.choices))}"
+        )
+    if option.min is not None and isinstance(out, (int, float)) and out < option.min:
+        raise UsageError(f"invalid value for {where}: {out} is below the minimum {option.min:g}")
+    if option.max is not None and isinstance(out, (int, float)) and out > option.max:
+        raise UsageError(f"invalid value for {where}: {out} is above the maximum {option.max:g}")
+    return out
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError

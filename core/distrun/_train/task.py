@@ -1,0 +1,98 @@
+"""The user's task: what to train. Subclassing :class:`Task` is optional (duck typing works)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from distrun._spec.errors import UsageError
+
+__all__ = ["Task", "load_task"]
+
+
+class Task:
+    """A training task in plain PyTorch; override what you need.
+
+    Required: ``configure_model()``, ``train_data()`` and ``training_step(model, batch)``
+    (which returns the loss, or a dict with ``"loss"`` whose other keys are logged). For the
+    test stage, define ``test_step(model, batch)`` (a loss or a dict of metrics, logged as
+    ``test_NAME``) and ``test_data()``.
+    ``train_data()`` returns a map-style ``Dataset`` (distrun shards and resumes it) or any
+    iterable of batches (used as-is on each rank: your code shards it).
+    """
+
+    def configure_model(self) -> Any:
+        raise NotImplementedError("Task.configure_model() must return an nn.Module")
+
+    def configure_optimizer(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    def train_data(self) -> Any:
+        raise NotImplementedError("Task.train_data() must return a Dataset or an iterable")
+
+    def val_data(self) -> Any:
+        return None
+
+    def training_step(self, model: Any, batch: Any) -> Any:
+        raise NotImplementedError("Task.training_step(model, batch) must return the loss")
+
+    def validation_step(self, model: Any, batch: Any) -> Any:
+        return None
+
+    def configure_scheduler(self, optimizer: Any) -> Any:
+        """A scheduler, a dict (``{"scheduler": s, "interval": "epoch", "monitor":
+        "val_loss"}``) or a list of them; see :mod:`distrun._train.schedulers`."""
+        return None
+
+    # test and predict stages (``distrun run --stage test``, ``Trainer.test``) ------------
+    def test_data(self) -> Any:
+        return None
+
+    def predict_data(self) -> Any:
+        """What to predict over (default: ``test_data()``)."""
+        return self.test_data()
+
+    def predict_step(self, model: Any, batch: Any) -> Any:
+        """Outputs for a batch, one row per sample (default: ``model(batch)``, or
+        ``model(batch[0])`` for a tuple or list)."""
+        return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    def log(self, name: str, value: Any, *, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce: str = "mean") -> None:
+        """Log a number from a step: per log row in training (``on_step``), per epoch
+        (``on_epoch``) or per pass in validation/test; reduced over ranks (``"mean"`` or
+        ``"sum"``), written by every logger. Every rank must log the same names."""
+        from distrun._train.metrics import log
+
+        log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
+
+
+def load_task(target: str) -> Any:
+    """Build the task named ``pkg.module:Class`` or ``path/to/file.py:Class`` (no arguments)."""
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise UsageError(f"task target {target!r} must look like pkg.module:Class or file.py:Class")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise UsageError(f"task file not found: {where}")
+        name = "_distrun_task_" + os.path.splitext(os.path.basename(where))[0]
+        spec = importlib.util.spec_from_file_location(name, where)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"cannot import task module {where!r}: {exc}") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"{where} has no attribute {attr!r} (check the :Class part)") from None
+    return obj() if isinstance(obj, type) else obj

@@ -1,0 +1,463 @@
+"""``Trainer``: builds the run config and the run, then drives the hooks in order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any, NoReturn, cast
+
+from distrun._config.run_config import CONFIG_ENV, RunConfig, resolve_config
+from distrun._launch.folder_lock import lock_run_folders, release_all, run_key
+from distrun._registry.collect import check_consumed, collect_options
+from distrun._registry.manager import make_plugin_manager
+from distrun._spec.errors import DistrunError, UsageError, first_line
+from distrun._spec.stash import StashKey
+from distrun._train.run import EXIT_REQUEUE, Run
+from distrun._train.unread_args import warn_unread_argv
+
+__all__ = ["Trainer", "worker_config"]
+
+log = logging.getLogger("distrun")
+#: stop requests: save at an agreed step boundary and exit (143; 130 for SIGINT, whose second
+#: arrival interrupts at once, as Ctrl-C twice does)
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+#: set once the loop starts: a timeout before that is a rank stuck before training
+_TRAINING: StashKey[bool] = StashKey("trainer.training")
+
+
+def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
+    """The config of this worker: the launcher's values (``DISTRUN_CONFIG``), env, code."""
+    inherited, sources = None, None
+    if os.environ.get(CONFIG_ENV):
+        payload = json.loads(os.environ[CONFIG_ENV])
+        inherited, sources = payload["values"], payload.get("sources")
+    config = resolve_config(collect_options(pm), code=code, inherited=inherited,
+                            inherited_sources=sources, pluginmanager=pm)
+    if not config.run_dir:
+        from distrun._config.run_config import with_values
+        from distrun._config.run_dir import fresh_run_folder
+
+        name = config.name or _script_name()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not config.name and int(os.environ.get("WORLD_SIZE", "1")) > 1 and run_id \
+                and config.resume == "never":
+            # started by torchrun: the ranks share its run id, not a view of the folders
+            name = f"{name}-{run_id[:8]}"
+        config = with_values(config, name=name, run_dir=os.path.join("runs", name))
+        if CONFIG_ENV not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            config = fresh_run_folder(config)  # `python train.py` again: a new folder
+    return config
+
+
+def _script_name() -> str:
+    """The run's default name: the script's, or the notebook's inside a Jupyter kernel."""
+    name = os.path.splitext(os.path.basename(sys.argv[0] or "run"))[0]
+    if name == "ipykernel_launcher":
+        session = os.environ.get("JPY_SESSION_NAME", "")
+        name = os.path.splitext(os.path.basename(session))[0] or "notebook"
+    return name
+
+
+def _setup_logging(rank: int) -> None:
+    """Rank 0 says INFO, the others only warnings. Records still propagate, so an app's own
+    logging setup (or pytest's caplog) sees them; our plain stdout handler is added only when
+    nobody configured logging."""
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+class Trainer:
+    """Train and evaluate a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
+
+    Keyword arguments are run-config fields and plugin options; flags, ``DISTRUN_*`` variables
+    and the ``--config`` file of ``distrun run`` take precedence over them.
+
+    After :meth:`fit`, :meth:`validate`, :meth:`test` and :meth:`predict` run in the same
+    processes on the trained model (the process group stays up until :meth:`close`, another
+    trainer starts, or the process exits). Called first, they build the model and load
+    ``ckpt_path`` (or ``--resume``) into it.
+    """
+
+    def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
+                 plugin_manager: Any = None, **options: Any) -> None:
+        self._config = config
+        self._options = options
+        self._plugins = plugins
+        #: this trainer's plugins (built from the environment's settings on first use:
+        #: entry points, DISTRUN_PLUGINS, DISTRUN_BLOCK_PLUGINS); never a process global
+        self._pm = plugin_manager
+        self._run: Run | None = None  # the open session: its strategy and model are live
+        self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
+
+    # -- the stages -------------------------------------------------------------------------
+    def fit(self, task: Any) -> Run:
+        """Run the stages ``--stage`` names (``fit`` by default) and return the :class:`Run`;
+        each stage's result is in ``run.results[stage]``."""
+        run = self._session(task)
+        for stage in run.config.stage.split(","):
+            self._stage(run, stage)
+        return run
+
+    def validate(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """Validation metrics (``val_*``), reduced over ranks, on every rank."""
+        return cast(dict, self._one(task, "validate", ckpt_path))
+
+    def test(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """Test metrics (``test_*``) over ``task.test_data()``, reduced over ranks."""
+        return cast(dict, self._one(task, "test", ckpt_path))
+
+    def predict(self, task: Any = None, ckpt_path: str | None = None) -> Any:
+        """``predict_step`` outputs over ``task.predict_data()`` in dataset order (or, with
+        ``predictions="write"``, the folder of each rank's files)."""
+        return self._one(task, "predict", ckpt_path)
+
+    def close(self) -> None:
+        """End the session: the strategy tears down (the process group it made is destroyed)."""
+        run, self._run = self._run, None
+        global _OPEN
+        if _OPEN is self:
+            _OPEN = None
+        try:
+            if run is not None and run.strategy is not None:
+                run.strategy.teardown()
+        finally:
+            release_all(self._locks)
+            self._locks = []
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _one(self, task: Any, stage: str, ckpt_path: str | None) -> Any:
+        run = self._session(task, stage)
+        self._stage(run, stage, ckpt_path)
+        return run.results.get(stage)
+
+    def _session(self, task: Any, stage: str | None = None) -> Run:
+        """The open run for ``task`` (None: the last one), or a new one set up for it."""
+        if self._run is not None and (task is None or task is self._run.task):
+            return self._run
+        if task is None:
+            raise UsageError(f"Trainer.{stage}() needs the task: trainer.{stage}(task) (or fit "
+                             "it first with this trainer)")
+        global _OPEN
+        if _OPEN is not None:
+            _OPEN.close()  # one live process group at a time
+        self.close()
+        _setup_logging(int(os.environ.get("RANK", "0")))
+        try:
+            if self._pm is None:
+                self._pm = (self._config.pluginmanager if self._config is not None else None) \
+                    or make_plugin_manager()
+            pm = self._pm
+            for plugin in self._plugins:
+                if not pm.is_registered(plugin):
+                    pm.register(plugin)
+            config = self._config or worker_config(pm, self._options)
+            check_consumed(pm, collect_options(pm), config)
+            if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
+                self._locks = lock_run_folders(config, collect_options(pm), run_key())
+                warn_unread_argv(config, collect_options(pm))
+            if stage is not None:
+                from distrun._config.run_config import with_values
+
+                config = with_values(config, stage=stage)
+            # a plugin may refuse the config here, and rank 0 writes the run folder's config
+            pm.hook.distrun_configure.call_historic(kwargs=dict(config=config))
+        except DistrunError as exc:
+            _exit_on_error(exc, debug=bool(self._options.get("debug")))
+        try:
+            self._run = Run(config, task, pm)
+        except DistrunError as exc:
+            _exit_on_error(exc, debug=config.debug)
+        _OPEN = self
+        _register_close()
+        return self._run
+
+    def _stage(self, run: Run, stage: str, ckpt_path: str | None = None) -> None:
+        previous = _install_stop_handlers(run)
+        pm, config = run.pm, run.config
+        failed = True
+        try:
+            run.stage = stage
+            if run.strategy is None:
+                from distrun._train.loop import setup_run
+
+                setup_run(run)
+            if run.strategy.trains:
+                if stage == "fit":
+                    self._fit(run)
+                else:
+                    run.results[stage] = self._evaluate(run, stage, ckpt_path)
+            failed = False
+        except DistrunError as exc:
+            pm.hook.distrun_on_exception(run=run, exc=exc)
+            _exit_on_error(exc, debug=config.debug)
+        except BaseException as exc:
+            pm.hook.distrun_on_exception(run=run, exc=exc)
+            if _is_network_error(exc):
+                _exit_on_error(DistrunError(_network_message(run, exc)), debug=config.debug)
+            missing = _missing_collective(exc)
+            if missing is not None:
+                backend, op = missing
+                _exit_on_error(UsageError(
+                    f"the {backend} backend does not implement {op}, which the "
+                    f"{run.strategy.name if run.strategy else config.strategy} strategy calls "
+                    f"(use --backend gloo, or another strategy)"), debug=config.debug)
+            if _is_collective_timeout(exc, run):
+                _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
+            if _is_lost_connection(exc, run):
+                _exit_on_error(DistrunError(_lost_connection_message(run, exc)),
+                               debug=config.debug)
+            if _is_lost_peer(exc, run):
+                _exit_on_error(DistrunError(_lost_peer_message(run, exc)), debug=config.debug)
+            raise
+        finally:
+            try:
+                pm.hook.distrun_teardown(run=run)  # a stop signal now must not cut it short
+            finally:
+                _restore_handlers(previous)
+                run.remove_scoped_hooks()
+                stopped = run.stop_signal is not None and run.done
+                if failed or stopped or (run.strategy is not None and not run.strategy.trains):
+                    self.close()
+        if run.stop_signal is not None and run.done:
+            sys.exit(128 + signal.SIGINT if run.stop_signal == signal.SIGINT else EXIT_REQUEUE)
+
+    def _fit(self, run: Run) -> None:
+        if run.config.resume != "never" and not run.stash.get(_TRAINING):
+            run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
+            if run.resumed_from:
+                log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
+        run.done = run.stop_requested = False  # a second fit of this session starts afresh
+        run.hook.distrun_on_fit_start(run=run)
+        run.stash[_TRAINING] = True
+        run.hook.distrun_run_fit(run=run)
+        if run.stop_signal is not None and run.done:
+            log.warning("Stop signal %d: saving a checkpoint and exiting for requeue",
+                        run.stop_signal)
+            run.hook.distrun_on_preempt(run=run, signum=run.stop_signal)
+            run.save_checkpoint("preempt")
+            return
+        run.hook.distrun_on_fit_end(run=run)
+        run.results["fit"] = dict(run.metrics)
+
+    def _evaluate(self, run: Run, stage: str, ckpt_path: str | None) -> Any:
+        source = ckpt_path or (run.config.resume if not run.stash.get(_TRAINING)
+                               and run.resumed_from is None else None)
+        if source and source != "never":
+            loaded = run.hook.distrun_load_checkpoint(run=run, source=source)
+            if loaded:
+                run.resumed_from = loaded
+                log.info("%s: loaded %s (step %d)", stage, loaded, run.progress.step)
+        elif not run.stash.get(_TRAINING) and run.resumed_from is None:
+            log.warning("warning: %s runs on the model as configure_model() made it (no "
+                        "checkpoint was loaded: pass --resume PATH or ckpt_path=...)", stage)
+        from distrun._train.stages import evaluate, predict
+
+        if stage == "predict":
+            return predict(run)
+        from distrun._train.loop import validate
+
+        if stage == "validate":
+            return dict(validate(run))
+        metrics = evaluate(run, stage)
+        if metrics:
+            run.metrics.update(metrics)
+            run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
+        return metrics
+
+
+#: the trainer whose session is open in this process (one process group at a time)
+_OPEN: Trainer | None = None
+_CLOSE_REGISTERED = False
+
+
+def _register_close() -> None:
+    """Close the open session at exit, before the interpreter finalizes (see worker.py)."""
+    global _CLOSE_REGISTERED
+    if not _CLOSE_REGISTERED:
+        import atexit
+
+        atexit.register(_close_open)
+        _CLOSE_REGISTERED = True
+
+
+def _close_open() -> None:
+    if _OPEN is not None:
+        _OPEN.close()
+
+
+def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:
+    if debug:
+        raise exc
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(exc.exit_code)
+
+
+#: where torch raises a failed collective: c10d calls, DDP's reducer, autograd's backward
+_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
+
+
+#: c10d's words for an operation a backend lacks ("Backend shm does not support alltoall"),
+#: and a plugin backend's for a dtype ("shm backend: allreduce does not support dtype UInt32")
+_MISSING_OP = re.compile(r"Backend (\S+) does not (?:support|implement) (\w+)")
+_MISSING_DTYPE = re.compile(r"(\S+) backend: (\w+) does not support (dtype \S+)")
+
+
+def _missing_collective(exc: BaseException) -> tuple[str, str] | None:
+    """(backend, operation) when a backend refused an operation it does not implement."""
+    if not isinstance(exc, (RuntimeError, NotImplementedError)):
+        return None
+    line = first_line(exc)
+    match = _MISSING_OP.search(line)
+    if match:
+        return match.group(1).lower(), match.group(2)
+    match = _MISSING_DTYPE.search(line)
+    if match:
+        return match.group(1).lower(), f"{match.group(2)} on {match.group(3)}"
+    return None
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """torch could not reach a peer or the rendezvous store (not a timeout: refused, reset,
+    address in use)."""
+    dist = sys.modules.get("torch.distributed")
+    kind = getattr(dist, "DistNetworkError", None)
+    return kind is not None and isinstance(exc, kind)
+
+
+def _network_message(run: Run, exc: BaseException) -> str:
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (f"rank {run.rank}: a network error with the other ranks or the store at {where} "
+            f"(step {run.progress.step}): {first_line(exc)}; if another rank failed, its error "
+            "is above; --debug shows this rank's traceback")
+
+
+def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
+    """A collective that waited out ``--timeout``: told by type and origin, never by text.
+
+    Gloo reports a timeout as a plain ``RuntimeError``; it counts when it was raised inside
+    torch's collective code after the run had waited at least the timeout since its last step.
+    """
+    if run.world_size < 2:
+        return False
+    if isinstance(exc, TimeoutError):
+        return True
+    if isinstance(exc, _dist_error()):  # a store wait or a collective past --timeout
+        return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
+    if not isinstance(exc, RuntimeError) or not _raised_in(exc, _COLLECTIVE_MODULES):
+        return False
+    return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
+
+
+#: seconds a rank whose collective failed waits for its launcher's stop signal
+_PEER_GRACE = 3.0
+
+
+def _is_lost_peer(exc: BaseException, run: Run) -> bool:
+    """A collective that failed because another rank stopped, told by evidence, not text.
+
+    When a rank fails, every launcher (distrun's, the elastic agent, torchrun) stops the others
+    with SIGTERM. So a ``RuntimeError`` from collective code counts as a lost peer only once
+    that signal arrived; an error of the rank's own (DDP's unused parameters...) gets no
+    signal and keeps its traceback.
+    """
+    if run.world_size < 2 or not isinstance(exc, RuntimeError) \
+            or not _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun._train.step_sync")):
+        return False
+    deadline = time.monotonic() + _PEER_GRACE
+    while run.stop_signal is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the signal handler runs between these sleeps
+    return run.stop_signal is not None
+
+
+def _lost_peer_message(run: Run, exc: BaseException) -> str:
+    return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
+            f"another rank stopped (its error is above; --debug shows this rank's traceback): "
+            f"{first_line(exc)}")
+
+
+#: gloo gives a dropped connection no type of its own, but names its transport's source file
+_TRANSPORT_SOURCES = ("/gloo/transport/",)
+
+
+def _is_lost_connection(exc: BaseException, run: Run) -> bool:
+    """A collective whose connection to a peer broke (reset, closed): the peer's process or
+    host is gone, or the network between them dropped. No local signal comes first when the
+    peer was on another host, so this is told by gloo's own report of its transport."""
+    return run.world_size > 1 and isinstance(exc, RuntimeError) \
+        and _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun._train.step_sync")) \
+        and any(source in first_line(exc) for source in _TRANSPORT_SOURCES)
+
+
+def _lost_connection_message(run: Run, exc: BaseException) -> str:
+    line = first_line(exc)
+    reason = line.split("]", 1)[-1].strip() if "]" in line else line
+    return (f"rank {run.rank}: lost the connection to another rank at step "
+            f"{run.progress.step} ({reason.split('. ')[0]}): its process or host stopped, or "
+            "the network dropped; --debug shows this rank's traceback")
+
+
+def _dist_error() -> type[BaseException]:
+    import torch.distributed as dist
+
+    return getattr(dist, "DistError", TimeoutError)
+
+
+def _raised_in(exc: BaseException, prefixes: tuple[str, ...]) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.startswith(prefixes):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _timeout_message(run: Run) -> str:
+    if not run.stash.get(_TRAINING):
+        return (f"rank {run.rank}: waited {run.config.timeout:g}s for the other ranks before "
+                "training started: a rank is stuck before training (at import, in setup or "
+                "loading data) or never started; see the other ranks' output, or change the "
+                "limit with --timeout SECONDS or DISTRUN_TIMEOUT")
+    return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
+            "are out of step (most often uneven inputs: one rank ran out of batches while the "
+            "others wait for it; pip install distrun-join, or give every rank the same number "
+            "of batches); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT")
+
+
+def _install_stop_handlers(run: Run) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+
+    def on_stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and run.stop_signal is not None:
+            raise KeyboardInterrupt
+        run.stop_signal = signum
+
+    for name in _STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[sig] = signal.signal(sig, on_stop)
+    return previous
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
