@@ -25,10 +25,11 @@ torch's store client serialises its calls, and one waiting on an unreachable sto
 up the agent's other calls (its keep-alive and its own checks).
 
 The keys live under the round's prefix (``torch.rendezvous.<run id>.<round>``), so a new round
-starts from clean counters. Every node reads every other node's counter: O(nodes) small store
-calls per node per interval, fine for the tens of nodes this is tested with; for hundreds, each
-node would watch a few ring neighbours instead (any loss is still seen by its neighbours, whose
-workers' failure then reaches everyone).
+starts from clean counters. Every node reads every other node's counter in one ``multi_get``: one
+round trip per node per interval (the store still serves nodes^2 small values an interval:
+benchmarks/control_plane.py measures it; past a few hundred nodes, each node would watch a few
+ring neighbours instead, any loss still being seen by its neighbours, whose workers' failure then
+reaches everyone).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Liveness:
         self.interval = interval
         self.timeout = timeout
         self._peers = [r for r in range(group_world_size) if r != group_rank]
+        self._keys = [_ALIVE.format(r) for r in self._peers]
         self._store = store.clone()  # its own connection: see the module docstring
         self._store.set_timeout(timedelta(seconds=max(1.0, min(interval * 2, timeout))))
         self._published = False
@@ -133,17 +135,32 @@ class Liveness:
                 return
 
     def _poll(self) -> None:
+        store = self._store
         if not self._published:
-            self._store.set(_HOST.format(self.group_rank), socket.gethostname())
+            store.set(_HOST.format(self.group_rank), socket.gethostname())
+            # every peer's counter exists from here on (adding 0 creates it, or leaves it), so
+            # one multi_get reads them all: a round trip per poll, not one per peer
+            for rank in self._peers:
+                store.add(_ALIVE.format(rank), 0)
             self._published = True
-        self._store.add(_ALIVE.format(self.group_rank), 1)
-        for rank in self._peers:
-            count = int(self._store.add(_ALIVE.format(rank), 0))
+        store.add(_ALIVE.format(self.group_rank), 1)
+        counts = store.multi_get(self._keys) if self._keys else []
+        now = time.monotonic()
+        for rank, raw in zip(self._peers, counts):
+            count = int(raw)
             if count != self._count[rank]:
                 self._count[rank] = count
-                self._seen[rank] = time.monotonic()
-            if rank not in self._names and self._store.check([_HOST.format(rank)]):
-                self._names[rank] = self._store.get(_HOST.format(rank)).decode()
+                self._seen[rank] = now
+        unnamed = [r for r in self._peers if r not in self._names]
+        if unnamed:
+            keys = [_HOST.format(r) for r in unnamed]
+            if store.check(keys):  # every name published: one read
+                for rank, name in zip(unnamed, store.multi_get(keys)):
+                    self._names[rank] = name.decode()
+            else:
+                for rank, key in zip(unnamed, keys):
+                    if store.check([key]):
+                        self._names[rank] = store.get(key).decode()
         self._polled = time.monotonic()
 
     def hostname(self, rank: int) -> str:
