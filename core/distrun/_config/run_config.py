@@ -3,7 +3,8 @@
 Precedence, highest first: command-line flag > ``DISTRUN_*`` environment variable > TOML file
 (``--config``) > keyword arguments given in code (``Trainer(max_epochs=3)``) > default.
 Core fields are declared here once; their CLI flags are derived from them. Plugin options live
-in ``plugin_options`` and read as attributes too (``config.ddp_bucket_mb``).
+in ``plugin_options`` and read typed through the plugin's own class
+(``DdpOptions.of(config).ddp_bucket_mb``, :class:`~distrun._spec.options.PluginOptions`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from distrun._spec.errors import UsageError, suggest
-from distrun._spec.options import Option, coerce
+from distrun._spec.options import Option, PluginOptions, coerce
+
+_T = TypeVar("_T", bound=PluginOptions)
 
 __all__ = ["RunConfig", "core_options", "resolve_config", "with_values", "CONFIG_ENV"]
 
@@ -202,19 +205,27 @@ class RunConfig:
     #: it travels with the config instead of living in a process global. Not data: never
     #: serialized or compared, and None in a config built without plugins.
     pluginmanager: Any = field(default=None, compare=False, repr=False)
+    #: typed plugin options already built (:meth:`options`), per class
+    _typed: dict[type, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
-    def __getattr__(self, name: str) -> Any:
-        opts = self.__dict__.get("plugin_options", {})
-        if name in opts:
-            return opts[name]
-        raise AttributeError(f"RunConfig has no option {name!r}")
+    def options(self, kind: type[_T]) -> _T:
+        """The plugin options of class ``kind`` in this config (``kind.of(config)``): each
+        field's value as resolved, or its default where the config has none (a config built
+        without that plugin)."""
+        got = self._typed.get(kind)
+        if got is None:
+            values = self.plugin_options
+            got = self._typed[kind] = kind(**{
+                f.name: values[f.name] for f in fields(kind)  # type: ignore[arg-type]
+                if f.name in values})
+        return got
 
     def get(self, name: str, default: Any = None) -> Any:
-        """Return the core field or plugin option ``name``, or ``default`` when undeclared."""
-        try:
+        """The core field or plugin option ``name``, or ``default`` when none is declared
+        (plugins read theirs typed: :meth:`options`)."""
+        if name in _CORE_NAMES:
             return getattr(self, name)
-        except AttributeError:
-            return default
+        return self.plugin_options.get(name, default)
 
     @property
     def world_size_requested(self) -> int | None:

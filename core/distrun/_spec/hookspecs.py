@@ -35,6 +35,9 @@ then ``run_validation -> on_validation_end -> log_metrics`` (validate), ``log_me
 (test) or nothing (predict), and ``teardown``. ``on_fit_start`` is not called for them: a
 logger opens its file at its first ``log_metrics`` too.
 
+``parallel_degrees`` is a question, not a phase: it is asked wherever a strategy or the
+launcher reads the run's parallel degrees.
+
 Hooks of phase 1 run in the launcher process (no torch imported, no process group). All the
 others run in every worker process on every rank unless the docstring says otherwise.
 """
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
     from distrun._spec.backends import BackendInfo
     from distrun._spec.cluster import ClusterEnv
-    from distrun._spec.options import Option
+    from distrun._spec.options import Option, PluginOptions
     from distrun._spec.strategy import StrategyInfo
     from distrun._train.run import Run
 
@@ -77,13 +80,15 @@ def distrun_add_commands(cli: click.Group, pluginmanager: pluggy.PluginManager) 
 
 
 @hookspec
-def distrun_register_options(register: Callable[[Option], None]) -> None:
+def distrun_register_options(register: Callable[[Option | type[PluginOptions]], None]) -> None:
     """Declare run options (a flag, a TOML key and a ``DISTRUN_*`` variable each).
 
     Called once per process that builds a run config (launcher and workers). Any number of
     plugins; option names must be unique across plugins (prefix them with the plugin name).
 
-    :param register: call ``register(Option(...))`` for each option.
+    :param register: call ``register(MyOptions)`` with the plugin's
+        :class:`~distrun._spec.options.PluginOptions` class (each field is an option), or
+        ``register(Option(...))`` for one option.
     """
 
 
@@ -109,6 +114,22 @@ def distrun_register_backends(register: Callable[[BackendInfo], None]) -> None:
     ``gloo``, ``nccl`` and ``mpi`` through this hook too.
 
     :param register: call ``register(BackendInfo(name, devices, check, load, ...))``.
+    """
+
+
+@hookspec
+def distrun_parallel_degrees(config: RunConfig) -> Mapping[str, int] | None:
+    """Say which parallel degrees this plugin's options ask for (``{"tp": 2}``).
+
+    Called when a strategy reads the run's degrees (``requested_degrees(config)`` of
+    :mod:`distrun.plugin`): in the launcher, which checks the layout before any worker starts,
+    and in each worker. The plugin that owns a parallel dimension publishes its degree here,
+    so a strategy that composes with it (fsdp's dp x tp mesh) reads a fact, never that
+    plugin's option. Any number of plugins; a degree named by two plugins is a plugin bug.
+    Torch-free.
+
+    :param config: the run config.
+    :return: degree name (``"tp"``, ``"pp"``, ...) -> degree >= 1, or None for none.
     """
 
 
