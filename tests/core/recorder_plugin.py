@@ -46,6 +46,11 @@ def distrun_register_backends(register):
 
 
 @hookimpl
+def distrun_resume_words():
+    _record("distrun_resume_words")
+
+
+@hookimpl
 def distrun_parallel_degrees(config):
     _record("distrun_parallel_degrees")
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 import pluggy
 
-from distrun._config.run_config import RunConfig, core_options, resolve_config
+from distrun._config.run_config import RunConfig, core_options, resolve_config, resume_words
 from distrun._registry.catalogue import offered
 from distrun._spec.backends import BackendInfo, parse_backend
 from distrun._spec.cluster import ClusterEnv
@@ -65,6 +66,10 @@ def collect_options(pm: pluggy.PluginManager) -> list[Option]:
     if cached is not None and cached[0] == plugins:
         return list(cached[1])
     out: dict[str, Option] = {o.name: o for o in core_options()}
+    words = resume_words(pm)
+    if words:  # --help names the words the installed plugins add
+        added = "; ".join(f"'{w}': {meaning}" for w, meaning in words.items())
+        out["resume"] = replace(out["resume"], help=f"{out['resume'].help} ({added})")
     pm.hook.distrun_register_options(register=option_registrar(out))
     _OPTIONS[pm] = (plugins, list(out.values()))
     return list(out.values())
@@ -135,7 +140,8 @@ def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
 def choose_strategy(config: RunConfig, world_size: int | None,
                     strategies: dict[str, StrategyInfo],
                     is_blocked: Callable[[str], bool] | None = None) -> StrategyInfo:
-    """The strategy the config names; ``auto`` means single for one process, else ddp.
+    """The strategy the config names; ``auto`` means single for one process, else the
+    multi-process strategy with the highest ``StrategyInfo.auto_priority`` (ties: by name).
 
     ``is_blocked`` tells plugin names ``-p no:NAME`` blocked (``pm.is_blocked``): asking for a
     strategy such a plugin offers is told as that, not as an unknown name.
@@ -143,13 +149,18 @@ def choose_strategy(config: RunConfig, world_size: int | None,
     name = config.strategy
     if name == "auto":
         if world_size is None or world_size > 1:
-            if "ddp" in strategies:
-                return strategies["ddp"]
+            ranked = sorted((s for s in strategies.values()
+                             if s.multi_process and s.auto_priority > 0),
+                            key=lambda s: (-s.auto_priority, s.name))
+            if ranked:
+                return ranked[0]
             if world_size is None:
                 return strategies["single"]
+            offers = sorted(set(offered("strategies").values()))
             raise UsageError(
-                f"{world_size} processes need a data-parallel strategy and none is installed. "
-                "Install it with: pip install distrun-ddp"
+                f"{world_size} processes need a data-parallel strategy and none is installed "
+                "that --strategy auto may pick (name one with --strategy NAME, or install one: "
+                f"pip install {' | '.join(offers) or 'a strategy plugin'})"
             )
         return strategies["single"]
     if name in strategies:

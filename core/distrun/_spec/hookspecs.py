@@ -35,8 +35,9 @@ then ``run_validation -> on_validation_end -> log_metrics`` (validate), ``log_me
 (test) or nothing (predict), and ``teardown``. ``on_fit_start`` is not called for them: a
 logger opens its file at its first ``log_metrics`` too.
 
-``parallel_degrees`` is a question, not a phase: it is asked wherever a strategy or the
-launcher reads the run's parallel degrees.
+``parallel_degrees`` and ``resume_words`` are questions, not phases: they are asked wherever
+a strategy or the launcher reads the run's parallel degrees, and wherever a config is
+resolved (``--resume`` is checked against the words).
 
 Hooks of phase 1 run in the launcher process (no torch imported, no process group). All the
 others run in every worker process on every rank unless the docstring says otherwise.
@@ -114,6 +115,20 @@ def distrun_register_backends(register: Callable[[BackendInfo], None]) -> None:
     ``gloo``, ``nccl`` and ``mpi`` through this hook too.
 
     :param register: call ``register(BackendInfo(name, devices, check, load, ...))``.
+    """
+
+
+@hookspec
+def distrun_resume_words() -> Mapping[str, str] | None:
+    """Name the words ``--resume`` takes that this plugin's checkpoints give a meaning to.
+
+    Called wherever a run config is resolved (launcher and workers), to check ``--resume``
+    and to list its words in ``--help``. The core's own words are ``never``, ``auto`` and
+    ``latest``; anything else is a path unless a plugin names it here (the checkpoint plugin's
+    ``best``). The plugin that names a word reads it in ``distrun_load_checkpoint``. Any number
+    of plugins; a word named twice is a plugin bug.
+
+    :return: word -> what it loads (one phrase, shown in ``--help``), or None for none.
     """
 
 

@@ -19,4 +19,5 @@ def distrun_register_strategies(register):
         "ddp", "distrun_ddp.strategy:DDPStrategy", plugin="ddp",
         help="DistributedDataParallel: one process per device, gradients all-reduced",
         layout=lambda config, world: world,  # every rank sees its own data
+        auto_priority=10,  # --strategy auto on several processes: plain data parallel
     ))

@@ -25,6 +25,11 @@ def distrun_register_options(register):
     register(CheckpointOptions)
 
 
+@hookimpl
+def distrun_resume_words():
+    return {"best": "the best checkpoint --ckpt-monitor kept"}
+
+
 def _opts(run: Any) -> CheckpointOptions:
     return CheckpointOptions.of(run.config)
 
