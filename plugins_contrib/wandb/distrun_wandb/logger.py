@@ -27,10 +27,9 @@ RUN_FILE = "wandb_run.json"
 PLOT_KEY = "metrics_plot"
 
 
-def mode_of(config: Any) -> str:
+def mode_of(opts: WandbOptions) -> str:
     """``--wandb-mode`` when ``--wandb`` is on (else ``disabled``); ``auto`` is
     ``$WANDB_MODE`` when the user set one, else offline."""
-    opts = WandbOptions.of(config)
     if not opts.wandb:
         return "disabled"
     mode = opts.wandb_mode
@@ -83,7 +82,7 @@ def _read_id(path: str) -> str | None:
 
 def open_logger(run: Any) -> WandbLogger | bool:
     """Start (or continue) the W&B run; False, with a warning, when W&B cannot start."""
-    mode = mode_of(run.config)
+    mode = mode_of(WandbOptions.of(run.config))
     try:
         import wandb
 

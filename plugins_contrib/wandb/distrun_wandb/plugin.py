@@ -31,7 +31,7 @@ def _logger(run: Any) -> Any:
         if run.is_global_zero:
             from distrun_wandb.logger import mode_of, open_logger
 
-            if mode_of(run.config) != "disabled":
+            if mode_of(WandbOptions.of(run.config)) != "disabled":
                 logger = open_logger(run)
         run.stash[_KEY] = logger
     return logger or None
