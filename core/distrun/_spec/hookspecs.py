@@ -12,6 +12,10 @@ Conventions (as in pytest and pluggy):
   ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``, and
   ``run.generation``: the rendezvous round of an elastic run (it grows with every round and is
   the same on every rank of one; 0 outside the elastic agent; ``DISTRUN_RDZV_GENERATION``).
+  What is fixed for the session (``config``, ``task``, ``pm``, ``hook``, ``generation``,
+  ``run_dir``, ``log``) is read-only (``run.fixed``, frozen); what the loop changes
+  (``progress``, ``metrics``, ``done``, ``stop_requested``, ``stop_signal``) lives in
+  ``run.state``; the setup hooks may replace the model, optimizer, scheduler and loaders.
 
 Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
 ``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch``. In each

@@ -74,11 +74,17 @@ class StrategyInfo:
 class SetupView(Protocol):
     """What a strategy's ``setup`` may use of the run (the run itself, seen through its seam)."""
 
-    config: RunConfig
     #: where a strategy publishes what others read (its mesh: :data:`distrun._spec.keys.DEVICE_MESH`)
     stash: Stash
-    task: Any
-    log: logging.Logger
+
+    @property
+    def config(self) -> RunConfig: ...
+
+    @property
+    def task(self) -> Any: ...
+
+    @property
+    def log(self) -> logging.Logger: ...
 
 
 @runtime_checkable
