@@ -151,3 +151,16 @@ def test_a_plain_option_declaration_still_registers():
             register(Option("plain_x", int, 1, plugin="plain"))
 
     assert _config(_manager(Plain())).get("plain_x") == 1
+
+
+def test_the_launcher_refuses_a_published_degree_below_one():
+    from distrun._cli.run_checks import check_degrees
+
+    class Zero:
+        @hookimpl
+        def distrun_parallel_degrees(self, config):
+            return {"tp": 0}
+
+    check_degrees(_config(_manager(TensorDegree())))
+    with pytest.raises(UsageError, match="the tp degree must be at least 1, not 0"):
+        check_degrees(_config(_manager(Zero())))
