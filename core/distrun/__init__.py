@@ -97,26 +97,23 @@ def log(name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | 
     _log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
 
 
-_last: Any = None  # the module-level functions' trainer: (task, options, trainer)
-
-
-def _forget_last() -> None:
-    global _last
-    _last = None
-
-
-# A forked process (the notebook launcher's ranks) has none of its parent's live sessions.
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_last)
+#: the attribute a module-level call leaves on the task: (pid, options, trainer), so that the
+#: next call for the same task object reuses its live trainer (Lightning's ``model.trainer``)
+_SESSION = "_distrun_session"
 
 
 def _trainer(task: Any, options: dict[str, Any]) -> Any:
-    """The trainer of the last module-level call when it was for this task (its model is
-    live), else a new one."""
-    global _last
+    """The trainer an earlier module-level call left on this task (its model is live), else a
+    new one, left there for the next call. A forked process (the notebook launcher's ranks)
+    has none of its parent's sessions: the pid must match."""
     from distrun._train.trainer import Trainer
 
-    if _last is not None and _last[0] is task and (not options or options == _last[1]):
-        return _last[2]
-    _last = (task, options, Trainer(**options))
-    return _last[2]
+    held = getattr(task, _SESSION, None)
+    if isinstance(held, tuple) and held[0] == os.getpid() and (not options or options == held[1]):
+        return held[2]
+    trainer = Trainer(**options)
+    try:
+        setattr(task, _SESSION, (os.getpid(), options, trainer))
+    except (AttributeError, TypeError):  # a task that takes no attributes: no reuse
+        pass
+    return trainer

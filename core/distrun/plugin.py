@@ -47,13 +47,13 @@ from distrun._launch.reaper import reaped
 from distrun._launch.relay import RankOutput, Relay, new_tail, report_failure
 from distrun._launch.run_folder import render_config
 from distrun._loggers.plot import plot_run
-from distrun._registry.collect import resolve_run_config
+from distrun._registry.collect import requested_degrees, resolve_run_config
 from distrun._spec.backends import BackendInfo
 from distrun._spec.cluster import ClusterEnv
 from distrun._spec.errors import EXIT_REQUEUE, DistrunError, UsageError, first_line
 from distrun._spec.keys import CONSOLE_OWNER, DEVICE_MESH, JOINABLES, PARALLEL_DIMS, UNEVEN_EPOCH
 from distrun._spec.markers import API_VERSION, hookimpl, hookspec
-from distrun._spec.options import Option, plugin_options
+from distrun._spec.options import Option, PluginOptions, option, plugin_options
 from distrun._spec.stash import Stash, StashKey
 from distrun._spec.strategy import SetupView, Strategy, StrategyInfo
 
@@ -72,9 +72,11 @@ __all__ = [
     # hooks and the API version
     "API_VERSION", "hookimpl", "hookspec",
     # options
-    "Option", "RunConfig", "plugin_options", "with_values", "CONFIG_ENV",
+    "Option", "PluginOptions", "RunConfig", "option", "plugin_options", "with_values",
+    "CONFIG_ENV",
     # strategies, backends, meshes
     "BackendInfo", "BaseStrategy", "ParallelDims", "SetupView", "Strategy", "StrategyInfo",
+    "requested_degrees",
     "build_mesh", "init_single_process_group", "prepare_backend",
     # the run and its stash
     "Run", "Stash", "StashKey", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS",

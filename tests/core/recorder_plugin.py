@@ -45,6 +45,16 @@ def distrun_register_backends(register):
     _record("distrun_register_backends")
 
 
+@hookimpl
+def distrun_resume_words():
+    _record("distrun_resume_words")
+
+
+@hookimpl
+def distrun_parallel_degrees(config):
+    _record("distrun_parallel_degrees")
+
+
 @hookimpl(tryfirst=True)
 def distrun_detect_cluster(environ):
     _record("distrun_detect_cluster")

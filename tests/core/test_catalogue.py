@@ -25,7 +25,9 @@ def _registered(module_name: str) -> dict[str, list[str]]:
     for hook, kind, names in (
             ("distrun_register_strategies", "strategies", lambda info: [info.name]),
             ("distrun_register_backends", "backends", lambda info: [info.name]),
-            ("distrun_register_options", "flags", lambda opt: [opt.flag, *opt.aliases])):
+            ("distrun_register_options", "flags", lambda opt: [
+                flag for o in (opt.declarations() if isinstance(opt, type) else [opt])
+                for flag in (o.flag, *o.aliases)])):
         if hasattr(module, hook):
             getattr(module, hook)(register=lambda x, k=kind, n=names: out[k].extend(n(x)))
     return {kind: sorted(set(names)) for kind, names in out.items() if names}

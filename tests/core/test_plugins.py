@@ -42,7 +42,7 @@ def distrun_register_options(register):
 @hookimpl
 def distrun_on_fit_start(run):
     with open(os.environ["HELLO_MARKER"], "w") as fh:
-        fh.write(f"{run.strategy.name}:{run.config.hello_greeting}")
+        fh.write(f"{run.strategy.name}:{run.config.get('hello_greeting')}")
 '''
 
 

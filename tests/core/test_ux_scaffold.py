@@ -79,7 +79,8 @@ def test_generated_plugin_is_torch_free_and_lint_clean(cli, tmp_path):
     cli("plugin", "new", "tidy", cwd=tmp_path)
     plugin = tmp_path / "tidy" / "distrun_tidy" / "plugin.py"
     code = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('p', "
-            f"{str(plugin)!r}); m = importlib.util.module_from_spec(s); s.loader.exec_module(m);"
+            f"{str(plugin)!r}); m = sys.modules['p'] = importlib.util.module_from_spec(s); "
+            "s.loader.exec_module(m);"
             " print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

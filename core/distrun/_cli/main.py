@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from distrun._cli.run_args import RunCommand, is_task_target
-from distrun._cli.run_checks import check_layout, check_stages, check_syntax
+from distrun._cli.run_checks import check_degrees, check_layout, check_stages, check_syntax
 from distrun._config.run_config import CONFIG_ENV, RunConfig, resolve_config, with_values
 from distrun._config.run_dir import fresh_run_folder
 from distrun._launch.folder_lock import RUN_KEY_ENV, new_run_key
@@ -206,6 +206,7 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     nnodes = int(config.nnodes.partition(":")[2] or config.nnodes) \
         if config.nnodes.replace(":", "").isdigit() else None
     choose_backends(config, collect_backends(pm), nnodes)
+    check_degrees(config)
     # "auto" is resolved in the worker for a script: a plain torchrun script never asks for a
     # strategy. A Task's config is final here (no code can change it): check what can be.
     task = is_task_target(target, as_module)

@@ -35,7 +35,9 @@ def plugin_files(name: str, summary: str = "") -> dict[str, str]:
                          "underscores, starting with a letter, e.g. my_logger)")
     summary = summary or f"the {name} plugin for distrun"
     subs = {"@NAME@": name, "@DIST@": name.replace("_", "-"), "@FLAG@": name.replace("_", "-"),
-            "@UPPER@": name.upper(), "@SUMMARY@": summary.rstrip(".")}
+            "@UPPER@": name.upper(),
+            "@CLASS@": "".join(part.capitalize() for part in name.split("_")),
+            "@SUMMARY@": summary.rstrip(".")}
 
     def fill(text: str) -> str:
         for key, value in subs.items():

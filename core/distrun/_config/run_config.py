@@ -3,7 +3,8 @@
 Precedence, highest first: command-line flag > ``DISTRUN_*`` environment variable > TOML file
 (``--config``) > keyword arguments given in code (``Trainer(max_epochs=3)``) > default.
 Core fields are declared here once; their CLI flags are derived from them. Plugin options live
-in ``plugin_options`` and read as attributes too (``config.ddp_bucket_mb``).
+in ``plugin_options`` and read typed through the plugin's own class
+(``DdpOptions.of(config).ddp_bucket_mb``, :class:`~distrun._spec.options.PluginOptions`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from distrun._spec.errors import UsageError, suggest
-from distrun._spec.options import Option, coerce
+from distrun._spec.options import Option, PluginOptions, coerce
+
+_T = TypeVar("_T", bound=PluginOptions)
 
 __all__ = ["RunConfig", "core_options", "resolve_config", "with_values", "CONFIG_ENV"]
 
@@ -114,7 +117,8 @@ class RunConfig:
     """Everything that shapes a run. Build it with :func:`resolve_config`; it is immutable."""
 
     # --- what to train and how -----------------------------------------------------------
-    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else ddp)",
+    strategy: str = _opt("auto", "parallel strategy ('auto': single for 1 process, else the "
+                                 "installed strategy that offers itself for auto)",
                          launcher_only=True)
     seed: int = _opt(0, "seed of model init, data order and RNG", min=0)
     max_epochs: int = _opt(1, "epochs to train", min=1)
@@ -134,8 +138,8 @@ class RunConfig:
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
-                               "'latest' (the same, but one must exist), 'best' (the best-k "
-                               "one, with --ckpt-monitor) or a PATH",
+                               "'latest' (the same, but one must exist), a word a checkpoint "
+                               "plugin adds, or a PATH",
                        consumer="distrun_load_checkpoint")
     name: str = _opt("", "run name (default: the script's name and the start time)",
                      parse=_run_name)
@@ -202,19 +206,27 @@ class RunConfig:
     #: it travels with the config instead of living in a process global. Not data: never
     #: serialized or compared, and None in a config built without plugins.
     pluginmanager: Any = field(default=None, compare=False, repr=False)
+    #: typed plugin options already built (:meth:`options`), per class
+    _typed: dict[type, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
-    def __getattr__(self, name: str) -> Any:
-        opts = self.__dict__.get("plugin_options", {})
-        if name in opts:
-            return opts[name]
-        raise AttributeError(f"RunConfig has no option {name!r}")
+    def options(self, kind: type[_T]) -> _T:
+        """The plugin options of class ``kind`` in this config (``kind.of(config)``): each
+        field's value as resolved, or its default where the config has none (a config built
+        without that plugin)."""
+        got = self._typed.get(kind)
+        if got is None:
+            values = self.plugin_options
+            got = self._typed[kind] = kind(**{
+                f.name: values[f.name] for f in fields(kind)  # type: ignore[arg-type]
+                if f.name in values})
+        return got
 
     def get(self, name: str, default: Any = None) -> Any:
-        """Return the core field or plugin option ``name``, or ``default`` when undeclared."""
-        try:
+        """The core field or plugin option ``name``, or ``default`` when none is declared
+        (plugins read theirs typed: :meth:`options`)."""
+        if name in _CORE_NAMES:
             return getattr(self, name)
-        except AttributeError:
-            return default
+        return self.plugin_options.get(name, default)
 
     @property
     def world_size_requested(self) -> int | None:
@@ -355,17 +367,35 @@ def _read_toml(path: str, opts: Mapping[str, Option]) -> dict[str, Any]:
     return flat
 
 
-#: ``--resume`` words (anything else is a path): ``best`` is the checkpoint plugin's best-k one
-RESUME_WORDS = ("never", "auto", "latest", "best")
+#: the core's ``--resume`` words; plugins add theirs (``distrun_resume_words``), anything
+#: else is a path
+RESUME_WORDS = ("never", "auto", "latest")
+
+
+def resume_words(pluginmanager: Any) -> dict[str, str]:
+    """The words ``--resume`` takes besides the core's: word -> what it loads, from the
+    plugins of ``pluginmanager`` (``distrun_resume_words``); empty without one."""
+    out: dict[str, str] = {}
+    if pluginmanager is None:
+        return out
+    for answer in pluginmanager.hook.distrun_resume_words():
+        for word, meaning in (answer or {}).items():
+            if word in out or word in RESUME_WORDS:
+                raise UsageError(f"--resume word {word!r} is named by two plugins (uninstall "
+                                 "or block one of them)")
+            out[word] = meaning
+    return out
 
 
 def _check(config: RunConfig) -> None:
-    if config.resume not in RESUME_WORDS and not os.path.exists(config.resume):
+    words = (*RESUME_WORDS, *resume_words(config.pluginmanager))
+    if config.resume not in words and not os.path.exists(config.resume):
+        listed = ", ".join(f"'{w}'" for w in words if w != "never")
         raise UsageError(
             f"--resume {config.resume}: no such checkpoint "
-            "(use 'auto', 'latest', 'best', 'never' or an existing path)"
+            f"(use {listed}, 'never' or an existing path)"
         )
-    if config.resume not in RESUME_WORDS and not os.path.isdir(config.resume):
+    if config.resume not in words and not os.path.isdir(config.resume):
         raise UsageError(
             f"--resume {config.resume} is a file; give a checkpoint folder (step-N), a "
             "checkpoints folder or a run folder"

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 import pluggy
 
-from distrun._config.run_config import RunConfig, core_options, resolve_config
+from distrun._config.run_config import RunConfig, core_options, resolve_config, resume_words
 from distrun._registry.catalogue import offered
 from distrun._spec.backends import BackendInfo, parse_backend
 from distrun._spec.cluster import ClusterEnv
 from distrun._spec.errors import UsageError, closest, suggest
-from distrun._spec.options import Option
+from distrun._spec.options import Option, PluginOptions
 from distrun._spec.strategy import StrategyInfo
 
 __all__ = ["apply_cluster_env", "check_consumed", "detect_cluster",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
-           "collect_strategies", "resolve_run_config"]
+           "collect_strategies", "option_registrar", "requested_degrees", "resolve_run_config"]
 
 
 
@@ -39,6 +40,21 @@ def _registrar(out: dict[str, Any], what: str, verb: str) -> Callable[[Any], Non
     return register
 
 
+def option_registrar(out: dict[str, Option]) -> Callable[[Any], None]:
+    """``distrun_register_options``' ``register``: takes an :class:`Option` or a
+    :class:`PluginOptions` class (each of its fields)."""
+    register = _registrar(out, "option", "declared")
+
+    def register_options(item: Option | type[PluginOptions]) -> None:
+        if isinstance(item, type) and issubclass(item, PluginOptions):
+            for opt in item.declarations():
+                register(opt)
+        else:
+            register(item)
+
+    return register_options
+
+
 def collect_options(pm: pluggy.PluginManager) -> list[Option]:
     """Core options and every plugin's; a name declared twice is a plugin bug.
 
@@ -50,7 +66,11 @@ def collect_options(pm: pluggy.PluginManager) -> list[Option]:
     if cached is not None and cached[0] == plugins:
         return list(cached[1])
     out: dict[str, Option] = {o.name: o for o in core_options()}
-    pm.hook.distrun_register_options(register=_registrar(out, "option", "declared"))
+    words = resume_words(pm)
+    if words:  # --help names the words the installed plugins add
+        added = "; ".join(f"'{w}': {meaning}" for w, meaning in words.items())
+        out["resume"] = replace(out["resume"], help=f"{out['resume'].help} ({added})")
+    pm.hook.distrun_register_options(register=option_registrar(out))
     _OPTIONS[pm] = (plugins, list(out.values()))
     return list(out.values())
 
@@ -64,6 +84,22 @@ def collect_strategies(pm: pluggy.PluginManager) -> dict[str, StrategyInfo]:
 def collect_backends(pm: pluggy.PluginManager) -> dict[str, BackendInfo]:
     out: dict[str, BackendInfo] = {}
     pm.hook.distrun_register_backends(register=_registrar(out, "backend", "offered"))
+    return out
+
+
+def requested_degrees(config: RunConfig) -> dict[str, int]:
+    """The parallel degrees the config's plugins ask for (``distrun_parallel_degrees``):
+    ``{"tp": 2}``; empty for a config built without plugins."""
+    pm = config.pluginmanager
+    if pm is None:
+        return {}
+    out: dict[str, int] = {}
+    for answer in pm.hook.distrun_parallel_degrees(config=config):
+        for name, degree in (answer or {}).items():
+            if name in out:
+                raise UsageError(f"parallel degree {name!r} is published by two plugins "
+                                 "(uninstall or block one of them)")
+            out[name] = int(degree)
     return out
 
 
@@ -104,7 +140,8 @@ def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
 def choose_strategy(config: RunConfig, world_size: int | None,
                     strategies: dict[str, StrategyInfo],
                     is_blocked: Callable[[str], bool] | None = None) -> StrategyInfo:
-    """The strategy the config names; ``auto`` means single for one process, else ddp.
+    """The strategy the config names; ``auto`` means single for one process, else the
+    multi-process strategy with the highest ``StrategyInfo.auto_priority`` (ties: by name).
 
     ``is_blocked`` tells plugin names ``-p no:NAME`` blocked (``pm.is_blocked``): asking for a
     strategy such a plugin offers is told as that, not as an unknown name.
@@ -112,13 +149,18 @@ def choose_strategy(config: RunConfig, world_size: int | None,
     name = config.strategy
     if name == "auto":
         if world_size is None or world_size > 1:
-            if "ddp" in strategies:
-                return strategies["ddp"]
+            ranked = sorted((s for s in strategies.values()
+                             if s.multi_process and s.auto_priority > 0),
+                            key=lambda s: (-s.auto_priority, s.name))
+            if ranked:
+                return ranked[0]
             if world_size is None:
                 return strategies["single"]
+            offers = sorted(set(offered("strategies").values()))
             raise UsageError(
-                f"{world_size} processes need a data-parallel strategy and none is installed. "
-                "Install it with: pip install distrun-ddp"
+                f"{world_size} processes need a data-parallel strategy and none is installed "
+                "that --strategy auto may pick (name one with --strategy NAME, or install one: "
+                f"pip install {' | '.join(offers) or 'a strategy plugin'})"
             )
         return strategies["single"]
     if name in strategies:

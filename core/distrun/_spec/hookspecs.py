@@ -12,6 +12,10 @@ Conventions (as in pytest and pluggy):
   ``run.rank``, ``run.world_size``, ``run.is_global_zero``, ``run.run_dir``, and
   ``run.generation``: the rendezvous round of an elastic run (it grows with every round and is
   the same on every rank of one; 0 outside the elastic agent; ``DISTRUN_RDZV_GENERATION``).
+  What is fixed for the session (``config``, ``task``, ``pm``, ``hook``, ``generation``,
+  ``run_dir``, ``log``) is read-only (``run.fixed``, frozen); what the loop changes
+  (``progress``, ``metrics``, ``done``, ``stop_requested``, ``stop_signal``) lives in
+  ``run.state``; the setup hooks may replace the model, optimizer, scheduler and loaders.
 
 Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
 ``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch``. In each
@@ -35,6 +39,10 @@ then ``run_validation -> on_validation_end -> log_metrics`` (validate), ``log_me
 (test) or nothing (predict), and ``teardown``. ``on_fit_start`` is not called for them: a
 logger opens its file at its first ``log_metrics`` too.
 
+``parallel_degrees`` and ``resume_words`` are questions, not phases: they are asked wherever
+a strategy or the launcher reads the run's parallel degrees, and wherever a config is
+resolved (``--resume`` is checked against the words).
+
 Hooks of phase 1 run in the launcher process (no torch imported, no process group). All the
 others run in every worker process on every rank unless the docstring says otherwise.
 """
@@ -54,7 +62,7 @@ if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
     from distrun._spec.backends import BackendInfo
     from distrun._spec.cluster import ClusterEnv
-    from distrun._spec.options import Option
+    from distrun._spec.options import Option, PluginOptions
     from distrun._spec.strategy import StrategyInfo
     from distrun._train.run import Run
 
@@ -77,13 +85,15 @@ def distrun_add_commands(cli: click.Group, pluginmanager: pluggy.PluginManager) 
 
 
 @hookspec
-def distrun_register_options(register: Callable[[Option], None]) -> None:
+def distrun_register_options(register: Callable[[Option | type[PluginOptions]], None]) -> None:
     """Declare run options (a flag, a TOML key and a ``DISTRUN_*`` variable each).
 
     Called once per process that builds a run config (launcher and workers). Any number of
     plugins; option names must be unique across plugins (prefix them with the plugin name).
 
-    :param register: call ``register(Option(...))`` for each option.
+    :param register: call ``register(MyOptions)`` with the plugin's
+        :class:`~distrun._spec.options.PluginOptions` class (each field is an option), or
+        ``register(Option(...))`` for one option.
     """
 
 
@@ -109,6 +119,36 @@ def distrun_register_backends(register: Callable[[BackendInfo], None]) -> None:
     ``gloo``, ``nccl`` and ``mpi`` through this hook too.
 
     :param register: call ``register(BackendInfo(name, devices, check, load, ...))``.
+    """
+
+
+@hookspec
+def distrun_resume_words() -> Mapping[str, str] | None:
+    """Name the words ``--resume`` takes that this plugin's checkpoints give a meaning to.
+
+    Called wherever a run config is resolved (launcher and workers), to check ``--resume``
+    and to list its words in ``--help``. The core's own words are ``never``, ``auto`` and
+    ``latest``; anything else is a path unless a plugin names it here (the checkpoint plugin's
+    ``best``). The plugin that names a word reads it in ``distrun_load_checkpoint``. Any number
+    of plugins; a word named twice is a plugin bug.
+
+    :return: word -> what it loads (one phrase, shown in ``--help``), or None for none.
+    """
+
+
+@hookspec
+def distrun_parallel_degrees(config: RunConfig) -> Mapping[str, int] | None:
+    """Say which parallel degrees this plugin's options ask for (``{"tp": 2}``).
+
+    Called when a strategy reads the run's degrees (``requested_degrees(config)`` of
+    :mod:`distrun.plugin`): in the launcher, which checks the layout before any worker starts,
+    and in each worker. The plugin that owns a parallel dimension publishes its degree here,
+    so a strategy that composes with it (fsdp's dp x tp mesh) reads a fact, never that
+    plugin's option. Any number of plugins; a degree named by two plugins is a plugin bug.
+    Torch-free.
+
+    :param config: the run config.
+    :return: degree name (``"tp"``, ``"pp"``, ...) -> degree >= 1, or None for none.
     """
 
 

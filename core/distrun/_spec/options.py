@@ -1,14 +1,25 @@
-"""Run options: one declaration gives a CLI flag, a TOML key and a DISTRUN_* variable."""
+"""Run options: one declaration gives a CLI flag, a TOML key and a DISTRUN_* variable.
+
+A plugin declares its options as one frozen dataclass (a :class:`PluginOptions` subclass whose
+fields are the options, each made with :func:`option`): the same class registers them and
+reads them back typed (``DdpOptions.of(config).ddp_bucket_mb``), so each default is written
+once and the type checker sees every read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from distrun._spec.errors import UsageError
 
-__all__ = ["Option", "coerce", "plugin_options"]
+__all__ = ["Option", "PluginOptions", "coerce", "option", "plugin_options"]
+
+_T = TypeVar("_T", bound="PluginOptions")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ def plugin_options(register: Callable[[Option], Any], plugin: str,
 
     For ``distrun_register_options(register)``: ``opt = plugin_options(register, "ddp")``.
     ``common`` applies to every option (``hidden=True``); ``kw`` of one call overrides it.
+    The older form of :class:`PluginOptions`, kept for plugins written before it: options
+    declared so read back with ``config.get(name)`` (the declared default when unset).
     """
 
     def opt(name: str, type: type = str, default: Any = None, help: str = "",
@@ -71,6 +84,88 @@ def plugin_options(register: Callable[[Option], Any], plugin: str,
         return option
 
     return opt
+
+
+def option(default: Any, help: str = "", **kw: Any) -> Any:
+    """One field of a :class:`PluginOptions` class: its default, help and :class:`Option`
+    settings (``choices``, ``min``, ``max``, ``aliases``, ``parse``, ``metavar``, ``hidden``,
+    ``consumer``, ``exclusive``, ``launcher_only``; ``type`` when the annotation is not one of
+    bool, int, float, str or such a type ``| None``)."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+class _HasOptions(Protocol):
+    def options(self, kind: type[_T]) -> _T: ...
+
+
+_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+class PluginOptions:
+    """A plugin's options: subclass it as a frozen dataclass whose fields are the options.
+
+    ::
+
+        @dataclass(frozen=True)
+        class DdpOptions(PluginOptions, plugin="ddp"):
+            ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB", min=0.001)
+
+        @hookimpl
+        def distrun_register_options(register):
+            register(DdpOptions)
+
+        opts = DdpOptions.of(run.config)  # typed, defaults from the class
+
+    Class keywords: ``plugin`` names the declaring plugin (shown in ``--help``); any other
+    (``launcher_only=True``, ``hidden=True``) applies to every field unless the field says
+    otherwise. Field names are the option names, unique across plugins (prefix them).
+    """
+
+    #: the plugin that declares these options
+    distrun_plugin: ClassVar[str] = ""
+    distrun_common: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, plugin: str = "", **common: Any) -> None:
+        super().__init_subclass__()
+        cls.distrun_plugin = plugin or cls.__module__.partition(".")[0].removeprefix("distrun_")
+        cls.distrun_common = common
+
+    @classmethod
+    def declarations(cls) -> list[Option]:
+        """One :class:`Option` per field (what ``register(cls)`` declares)."""
+        params = getattr(cls, "__dataclass_params__", None)
+        if "__dataclass_fields__" not in cls.__dict__ or params is None or not params.frozen:
+            raise TypeError(f"{cls.__qualname__} must be decorated with @dataclass(frozen=True) "
+                            "to declare options")
+        try:
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError):  # an annotation only a type checker resolves
+            hints = {}
+        out = []
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            meta = {**cls.distrun_common, **f.metadata}
+            typ = meta.pop("type", None) or _option_type(hints.get(f.name, f.type))
+            if typ is None:
+                raise TypeError(f"{cls.__qualname__}.{f.name}: annotate it as bool, int, float "
+                                "or str (or such a type | None), or give option(..., type=...)")
+            out.append(Option(name=f.name, type=typ, default=f.default,
+                              plugin=cls.distrun_plugin, **meta))
+        return out
+
+    @classmethod
+    def of(cls: type[_T], config: _HasOptions) -> _T:
+        """These options' values in ``config`` (a :class:`~distrun.plugin.RunConfig`): what
+        the user set, else the field's default. Cached per config."""
+        return config.options(cls)
+
+
+def _option_type(annotation: Any) -> type | None:
+    if isinstance(annotation, str):
+        return _TYPES.get(annotation.replace("| None", "").replace("None |", "").strip())
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if annotation in _TYPES.values() else None
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -32,6 +32,8 @@ class StrategyInfo:
     so the plugin's entry point imports nothing.
     ``multi_process`` says whether the strategy expects several processes (ddp) or exactly one
     (single, dp).
+    ``auto_priority`` > 0 offers the strategy to ``--strategy auto`` for several processes:
+    the multi-process strategy with the highest one is chosen (0: only when named).
     ``layout(config, world_size)`` (a callable or a ``"module:function"`` string; torch-free)
     returns how many data-parallel ranks the strategy makes of ``world_size`` ranks under
     ``config``, and raises :class:`~distrun._spec.errors.UsageError` for a layout it cannot
@@ -46,6 +48,7 @@ class StrategyInfo:
     plugin: str = "core"
     multi_process: bool = True
     layout: Callable[[RunConfig, int], int] | str | None = None
+    auto_priority: int = 0
 
     def __post_init__(self) -> None:
         for what, value in (("factory", self.factory), ("layout", self.layout)):
@@ -71,11 +74,17 @@ class StrategyInfo:
 class SetupView(Protocol):
     """What a strategy's ``setup`` may use of the run (the run itself, seen through its seam)."""
 
-    config: RunConfig
     #: where a strategy publishes what others read (its mesh: :data:`distrun._spec.keys.DEVICE_MESH`)
     stash: Stash
-    task: Any
-    log: logging.Logger
+
+    @property
+    def config(self) -> RunConfig: ...
+
+    @property
+    def task(self) -> Any: ...
+
+    @property
+    def log(self) -> logging.Logger: ...
 
 
 @runtime_checkable

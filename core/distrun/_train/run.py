@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from distrun._train.sampler import ResumableSampler
     from distrun._train.schedulers import Scheduled
 
-__all__ = ["EXIT_REQUEUE", "Progress", "Run"]
+__all__ = ["EXIT_REQUEUE", "LoopState", "Progress", "Run", "RunContext"]
 
 
 log = logging.getLogger("distrun")
@@ -47,21 +47,59 @@ class Progress:
             setattr(self, key, int(state.get(key, 0)))
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What is fixed for a run's session: read by every hook, never reassigned."""
+
+    config: RunConfig
+    task: Any
+    pm: pluggy.PluginManager
+    #: the rendezvous round this worker belongs to: it grows with every round of an elastic
+    #: run and is the same on every rank of a round; 0 outside the elastic agent
+    #: (``DISTRUN_RDZV_GENERATION``, read once). A checkpoint commit records it.
+    generation: int = 0
+    log: logging.Logger = log
+
+    @property
+    def run_dir(self) -> str:
+        return self.config.run_dir
+
+
+@dataclass
+class LoopState:
+    """What the loop changes as it runs: where it is, the last metrics, whether it stops."""
+
+    progress: Progress = field(default_factory=Progress)
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: a stop signal this rank received (the loop agrees on it with the others)
+    stop_signal: int | None = None
+    stop_requested: bool = False
+    #: set by the loop: stop after this step (agreed by every rank, or max_steps)
+    done: bool = False
+
+
 class Run:
     """One worker's view of the run: config, task, strategy, model, data and progress.
 
-    Plugins may replace ``model``, ``optimizer``, ``lr_scheduler``, ``train_loader`` and
-    ``val_loader`` in the setup hooks, and keep their own objects in ``run.stash`` under a
-    :class:`~distrun._spec.stash.StashKey` they define.
+    Three kinds of state, kept apart:
+
+    - fixed for the session (:attr:`fixed`, a frozen :class:`RunContext`): ``config``,
+      ``task``, ``pm``, ``hook``, ``generation``, ``run_dir``, ``log``; read-only here;
+    - built by the setup hooks: ``strategy``, ``model``, ``optimizer``, ``lr_scheduler``,
+      ``schedulers``, ``train_loader``, ``val_loader``, ``sampler``. Plugins may replace
+      ``model``, ``optimizer``, ``lr_scheduler``, ``train_loader`` and ``val_loader`` in the
+      setup hooks, and keep their own objects in ``run.stash`` under a
+      :class:`~distrun._spec.stash.StashKey` they define;
+    - changed by the loop (:attr:`state`, a :class:`LoopState`): ``progress``, ``metrics``,
+      ``done``, ``stop_requested``, ``stop_signal``.
     """
 
     def __init__(self, config: RunConfig, task: Any, pm: pluggy.PluginManager) -> None:
-        self.config = config
-        self.task = task
+        self.fixed = RunContext(config, task, pm, generation=read_generation())
+        self.state = LoopState()
+        self._hook = pm.hook
         #: what runs: "fit", "validate", "test" or "predict"
         self.stage = "fit"
-        self.pm = pm
-        self.hook = pm.hook
         self.strategy: Strategy = None  # type: ignore[assignment]
         # set during setup (strategy first), before any loop hook sees the run
         self.model: torch.nn.Module = None  # type: ignore[assignment]
@@ -72,25 +110,75 @@ class Run:
         self.train_loader: Any = None
         self.val_loader: Any = None
         self.sampler: ResumableSampler | None = None
-        self.progress = Progress()
-        self.metrics: dict[str, float] = {}
         #: what each finished stage gave: fit its last metrics, validate/test their metrics,
         #: predict its outputs
         self.results: dict[str, Any] = {}
         self.stash = Stash()
-        #: a stop signal this rank received (the loop agrees on it with the others)
-        self.stop_signal: int | None = None
-        self.stop_requested = False
-        #: set by the loop: stop after this step (agreed by every rank, or max_steps)
-        self.done = False
         self.resumed_from: str | None = None
-        #: the rendezvous round this worker belongs to: it grows with every round of an
-        #: elastic run and is the same on every rank of a round; 0 outside the elastic agent
-        #: (``DISTRUN_RDZV_GENERATION``, read once here). A checkpoint commit records it.
-        self.generation: int = read_generation()
-        self.run_dir = config.run_dir
-        self.log = log
         self._scoped: list[Any] = []
+
+    # -- fixed for the session ------------------------------------------------------------
+    @property
+    def config(self) -> RunConfig:
+        return self.fixed.config
+
+    @property
+    def task(self) -> Any:
+        return self.fixed.task
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        return self.fixed.pm
+
+    @property
+    def hook(self) -> Any:
+        """``pm.hook``: ``run.hook.distrun_<name>(run=run, ...)``."""
+        return self._hook
+
+    @property
+    def generation(self) -> int:
+        return self.fixed.generation
+
+    @property
+    def run_dir(self) -> str:
+        return self.fixed.config.run_dir
+
+    @property
+    def log(self) -> logging.Logger:
+        return self.fixed.log
+
+    # -- changed by the loop ----------------------------------------------------------------
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.state.metrics
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self.state.done = value
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.state.stop_requested
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        self.state.stop_requested = value
+
+    @property
+    def stop_signal(self) -> int | None:
+        return self.state.stop_signal
+
+    @stop_signal.setter
+    def stop_signal(self, value: int | None) -> None:
+        self.state.stop_signal = value
 
     # -- topology, from the strategy once it is set up (torchrun's env before that) --------
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn, cast
+from typing import Any, ClassVar, NoReturn, cast
 
 from distrun._config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun._launch.folder_lock import lock_run_folders, release_all, run_key
@@ -89,6 +90,10 @@ class Trainer:
     ``ckpt_path`` (or ``--resume``) into it.
     """
 
+    #: the trainer whose session holds this process's process group. torch has one default
+    #: group per process, so one session is open at a time: opening another closes this one.
+    _open: ClassVar[Trainer | None] = None
+
     def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
                  plugin_manager: Any = None, **options: Any) -> None:
         self._config = config
@@ -125,9 +130,9 @@ class Trainer:
     def close(self) -> None:
         """End the session: the strategy tears down (the process group it made is destroyed)."""
         run, self._run = self._run, None
-        global _OPEN
-        if _OPEN is self:
-            _OPEN = None
+        if Trainer._open is self:
+            Trainer._open = None
+            atexit.unregister(self.close)
         try:
             if run is not None and run.strategy is not None:
                 run.strategy.teardown()
@@ -154,9 +159,8 @@ class Trainer:
         if task is None:
             raise UsageError(f"Trainer.{stage}() needs the task: trainer.{stage}(task) (or fit "
                              "it first with this trainer)")
-        global _OPEN
-        if _OPEN is not None:
-            _OPEN.close()  # one live process group at a time
+        if Trainer._open is not None:
+            Trainer._open.close()  # one live process group at a time
         self.close()
         _setup_logging(int(os.environ.get("RANK", "0")))
         try:
@@ -184,8 +188,9 @@ class Trainer:
             self._run = Run(config, task, pm)
         except DistrunError as exc:
             _exit_on_error(exc, debug=config.debug)
-        _OPEN = self
-        _register_close()
+        Trainer._open = self
+        # closed at exit, before the interpreter finalizes (see worker.py)
+        atexit.register(self.close)
         return self._run
 
     def _stage(self, run: Run, stage: str, ckpt_path: str | None = None) -> None:
@@ -280,26 +285,6 @@ class Trainer:
             run.metrics.update(metrics)
             run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
         return metrics
-
-
-#: the trainer whose session is open in this process (one process group at a time)
-_OPEN: Trainer | None = None
-_CLOSE_REGISTERED = False
-
-
-def _register_close() -> None:
-    """Close the open session at exit, before the interpreter finalizes (see worker.py)."""
-    global _CLOSE_REGISTERED
-    if not _CLOSE_REGISTERED:
-        import atexit
-
-        atexit.register(_close_open)
-        _CLOSE_REGISTERED = True
-
-
-def _close_open() -> None:
-    if _OPEN is not None:
-        _OPEN.close()
 
 
 def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:

@@ -2,4 +2,4 @@
 
 __all__ = ["COMM_HOOKS"]
 
-from distrun_ddp.plugin import COMM_HOOKS
+from distrun_ddp.options import COMM_HOOKS

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrun.plugin import BaseStrategy
 from distrun_ddp.comm_hooks import register_comm_hook
+from distrun_ddp.options import DdpOptions
 
 if TYPE_CHECKING:
     from distrun.plugin import Run
@@ -36,11 +37,11 @@ class DDPStrategy(BaseStrategy):
         model = model.to(self.device)
         if not self.distributed:
             return model
-        cfg = self.config
+        cfg = DdpOptions.of(self.config)
         # Unset, torch's default applies: 25 MiB buckets but a small first one, so the last
         # layers' gradients start their all-reduce while backward is still running. An
         # explicit size (even 25) makes the first bucket that size too.
-        bucket_mb = cfg.ddp_bucket_mb if "ddp_bucket_mb" in cfg.sources else None
+        bucket_mb = cfg.ddp_bucket_mb if "ddp_bucket_mb" in self.config.sources else None
         hook = cfg.ddp_comm_hook
         if hook == "powersgd":
             bucket_mb = _single_bucket_mb(model, bucket_mb, self.device)

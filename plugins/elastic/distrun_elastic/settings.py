@@ -37,6 +37,7 @@ from distrun.plugin import (
     new_run_key,
     with_values,
 )
+from distrun_elastic.options import ElasticOptions
 
 __all__ = ["ElasticPlan", "make_plan", "parse_rdzv_conf", "split_endpoint", "wants_elastic"]
 
@@ -49,9 +50,8 @@ def wants_elastic(config: RunConfig) -> bool:
     """True when the config asks for the elastic agent."""
     lo, hi = _node_range(config.nnodes)
     # torchrun's --rdzv-conf tunes a rendezvous: only the agent has one to tune.
-    return (config.get("max_restarts", 0) or 0) > 0 or lo != hi or bool(
-        config.get("rdzv_endpoint", "")
-    ) or bool(config.get("rdzv_conf", ""))
+    opts = ElasticOptions.of(config)
+    return opts.max_restarts > 0 or lo != hi or bool(opts.rdzv_endpoint) or bool(opts.rdzv_conf)
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     from distrun.plugin import resolve_nproc
 
     lo, hi = _node_range(config.nnodes)
+    opts = ElasticOptions.of(config)
     for flag, value, default in (("--redirects", config.redirects, "0"),
                                  ("--local-ranks-filter", config.local_ranks_filter, "")):
         if value != default:
@@ -124,9 +125,9 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
                              "run without --max-restarts/--rdzv-endpoint/a node range)")
     # Written by the agent: only where the user asked for files, else torch's temporary folder.
     log_dir = config.log_dir or (os.path.join(config.run_dir, "logs") if config.run_dir else "")
-    backend = config.rdzv_backend
-    endpoint = config.rdzv_endpoint.strip()
-    conf = parse_rdzv_conf(config.rdzv_conf)
+    backend = opts.rdzv_backend
+    endpoint = opts.rdzv_endpoint.strip()
+    conf = parse_rdzv_conf(opts.rdzv_conf)
     if backend == "static":
         if lo != hi:
             raise UsageError(f"--nnodes {config.nnodes}: a node range needs a dynamic rendezvous "
@@ -146,7 +147,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
             )
         endpoint = "127.0.0.1:0"
     explicit_name = not _is_default_name(config)
-    run_id = config.rdzv_id or (config.name if explicit_name else "")
+    run_id = opts.rdzv_id or (config.name if explicit_name else "")
     if not run_id:
         if hi > 1:
             raise UsageError(
@@ -155,8 +156,8 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
             )
         run_id = uuid.uuid4().hex[:12]
     updates: dict[str, Any] = {}
-    if config.rdzv_id and not explicit_name:
-        updates.update(name=config.rdzv_id, run_dir=os.path.join("runs", config.rdzv_id))
+    if opts.rdzv_id and not explicit_name:
+        updates.update(name=opts.rdzv_id, run_dir=os.path.join("runs", opts.rdzv_id))
     if "resume" not in config.sources:
         updates["resume"] = "auto"
     if updates:
@@ -172,13 +173,13 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     local_addr = bind
     plan = ElasticPlan(
         min_nodes=lo, max_nodes=hi, nproc_per_node=resolve_nproc(config.nproc_per_node),
-        max_restarts=config.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,
-        run_id=run_id, rdzv_configs=conf, monitor_interval=config.monitor_interval,
+        max_restarts=opts.max_restarts, rdzv_backend=backend, rdzv_endpoint=endpoint,
+        run_id=run_id, rdzv_configs=conf, monitor_interval=opts.monitor_interval,
         local_addr=local_addr, bind_address=bind, log_dir=log_dir, tee=config.tee,
         debug=config.debug,
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
-        heartbeat_timeout=config.heartbeat_timeout,
+        heartbeat_timeout=opts.heartbeat_timeout,
     )
     return plan, config
 

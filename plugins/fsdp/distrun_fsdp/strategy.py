@@ -25,6 +25,7 @@ from distrun.plugin import (
     build_mesh,
     init_single_process_group,
 )
+from distrun_fsdp.options import FsdpOptions
 from distrun_fsdp.plugin import parallel_dims
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
@@ -59,7 +60,7 @@ class FSDPStrategy(BaseStrategy):
         return self.mesh[self.dims.dp_dim_names]
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        cfg = self.config
+        cfg = FsdpOptions.of(self.config)
         if not cfg.fsdp_cpu_offload:
             model = model.to(self.device)
         blocks = find_blocks(model, cfg.fsdp_wrap.split(",") if cfg.fsdp_wrap else ())

@@ -2,4 +2,4 @@
 
 __all__ = ["MODES"]
 
-from distrun_join.plugin import MODES
+from distrun_join.options import MODES

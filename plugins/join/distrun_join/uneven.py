@@ -37,6 +37,7 @@ from distrun.plugin import (
     scheduler_states,
     to_cpu,
 )
+from distrun_join.options import JoinOptions
 
 __all__ = ["Lockstep", "WholeGroups", "choose_mode", "joinables", "uneven_epoch"]
 
@@ -54,7 +55,7 @@ def joinables(run: Run) -> list[Any]:
 
 def choose_mode(run: Run) -> str:
     """``join``, ``agree`` or ``off`` for this epoch of ``run``."""
-    mode = run.config.join_mode
+    mode = JoinOptions.of(run.config).join_mode
     if mode == "off" or run.world_size < 2 or not dist.is_initialized():
         return "off"
     if mode == "auto":
@@ -89,6 +90,7 @@ def uneven_epoch(run: Run, epoch: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _joined(run: Run, epoch: int) -> Iterator[None]:
     cfg = run.config
+    opts = JoinOptions.of(cfg)
     found = joinables(run)
     if not run.stash.get(_ANNOUNCED):
         run.stash[_ANNOUNCED] = True
@@ -98,8 +100,8 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
     # that joined shadows them after the model's and optimizer's.
     sync = run.stash.get(STEP_SYNC)
     join = Join([*found, *([sync] if sync is not None else [])],
-                throw_on_early_termination=cfg.join_throw_on_early_termination,
-                divide_by_initial_world_size=cfg.join_divide_by_initial_world_size)
+                throw_on_early_termination=opts.join_throw_on_early_termination,
+                divide_by_initial_world_size=opts.join_divide_by_initial_world_size)
     loader = run.train_loader
     if cfg.grad_accum > 1:
         run.train_loader = WholeGroups(loader, cfg.grad_accum)
@@ -113,7 +115,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
         # Told by where it came from, not its text: torch's Join raises early termination from
         # its own frames, on a rank still training (inside the body, from notify_join_context)
         # or on the rank that ran out (after the body, from Join.__exit__).
-        if cfg.join_throw_on_early_termination and _from_join(exc):
+        if opts.join_throw_on_early_termination and _from_join(exc):
             who = "this rank" if body_done else "another rank"
             raise DistrunError(
                 f"rank {run.rank}: {who} ran out of batches in epoch {epoch} at step "

@@ -3,12 +3,10 @@ options and (for runs that use them) the per-step hooks. Torch-free at import.""
 
 from __future__ import annotations
 
-from distrun.plugin import StrategyInfo, hookimpl, plugin_options
+from distrun.plugin import StrategyInfo, hookimpl
+from distrun_pipeline.options import PipelineOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
-
-#: --pp-schedule names (see distrun_pipeline.schedules)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 @hookimpl
@@ -26,15 +24,7 @@ def distrun_register_strategies(register):
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "pipeline")
-    opt("pp", int, 0, "pipeline stages over ranks (0: every rank under --strategy pp; with "
-        "pp+ddp / pp+fsdp the world size / N ranks are data parallel)", min=0)
-    opt("pp_schedule", str, "1f1b", "the torch.distributed.pipelining schedule",
-        choices=SCHEDULES)
-    opt("microbatches", int, 0, "micro-batches per step, splitting each rank's batch "
-        "(0: 2 x stages)", min=0)
-    opt("pp_virtual_stages", int, 2, "stages per rank for interleaved-1f1b and zero-bubble",
-        min=1)
+    register(PipelineOptions)
 
 
 @hookimpl

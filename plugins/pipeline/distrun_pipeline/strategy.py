@@ -28,6 +28,7 @@ from distrun.plugin import (
     build_mesh,
 )
 from distrun_pipeline import schedules, split, state
+from distrun_pipeline.options import PipelineOptions
 from distrun_pipeline.pipe import Pipeline, PipelineHooks
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class PipelineStrategy(BaseStrategy):
     def setup(self, run: SetupView) -> None:
         super().setup(run)
         cfg = self.config
-        pp = int(cfg.pp)
+        opts = PipelineOptions.of(cfg)
+        pp = opts.pp
         if self.dp_mode == "none":
             pp = pp or self.world_size
             if pp != self.world_size:
@@ -74,11 +76,11 @@ class PipelineStrategy(BaseStrategy):
         self.dp_rank, self.dp_world_size = coord["dp"], self.dims.dp
         self.pp_group = self.mesh["pp"].get_group()
         self.dp_mesh = self.mesh["dp"]
-        name = cfg.pp_schedule
+        name = opts.pp_schedule
         self.schedule_name = name
-        self.v = schedules.virtual_stages(name, int(cfg.pp_virtual_stages))
+        self.v = schedules.virtual_stages(name, opts.pp_virtual_stages)
         self.stages = pp * self.v
-        self.microbatches = int(cfg.microbatches) or 2 * self.stages
+        self.microbatches = opts.microbatches or 2 * self.stages
         local = cfg.batch_size // self.dp_world_size if cfg.batch_size % self.dp_world_size == 0 \
             else 0
         if local and local % self.microbatches:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.plugin import StashKey, StrategyInfo, hookimpl, plugin_options
+from distrun.plugin import StashKey, StrategyInfo, hookimpl
+from distrun_rpc.options import RpcOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -23,13 +24,7 @@ def _strategy(run: Any) -> Any:
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, PLUGIN)
-    opt("rpc_servers", int, 1, "parameter-server ranks (the last ones); the others train", min=1)
-    opt("rpc_mode", str, "sync", "sync: distributed autograd + DistributedOptimizer; "
-        "async: trainers push gradients, servers batch updates", choices=("sync", "async"))
-    opt("rpc_update_batch", int, 0, "async: pushed gradients averaged per server update "
-        "(0: the number of trainers)", min=0)
-    opt("rpc_timeout", float, 60.0, "seconds an RPC may take before the run fails", min=1)
+    register(RpcOptions)
 
 
 @hookimpl

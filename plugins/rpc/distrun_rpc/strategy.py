@@ -22,6 +22,7 @@ import torch.distributed as dist
 from distrun.plugin import BaseStrategy, DistrunError, RunConfig, UsageError
 from distrun_rpc import server
 from distrun_rpc.models import HybridModel, RemoteOptimizer, ServerParamsModel, optimizer_spec
+from distrun_rpc.options import RpcOptions
 from distrun_rpc.plugin import RPC_STRATEGY
 from distrun_rpc.quiet import import_rpc_modules, quiet_torchscript
 from distrun_rpc.roles import Roles, assign_shards
@@ -56,8 +57,9 @@ class RpcStrategy(BaseStrategy):
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         self.global_world = self.world_size
-        self.roles = Roles.of(self.rank, self.global_world, int(config.rpc_servers))
-        self.mode = str(config.rpc_mode)
+        self.opts = RpcOptions.of(config)
+        self.roles = Roles.of(self.rank, self.global_world, self.opts.rpc_servers)
+        self.mode = self.opts.rpc_mode
         self.trains = not self.roles.is_server
         if self.trains:  # the loop's world is the trainers
             self.world_size = self.roles.trainers
@@ -104,11 +106,10 @@ class RpcStrategy(BaseStrategy):
             self._join_trainers()
 
     def _init_rpc(self) -> None:
-        cfg = self.config
         addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
         options = rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=max(8, 2 * self.global_world),
-            rpc_timeout=float(cfg.rpc_timeout),
+            rpc_timeout=self.opts.rpc_timeout,
             init_method=f"tcp://{addr}:{port}",
         )
         with quiet_torchscript():
@@ -134,7 +135,7 @@ class RpcStrategy(BaseStrategy):
         from distrun.plugin import seed_everything
 
         index = self.roles.role_rank
-        batch = int(self.config.rpc_update_batch) or self.roles.trainers
+        batch = self.opts.rpc_update_batch or self.roles.trainers
         state = server.ServerState(index, self.roles.trainers, update_batch=batch)
         seed_everything(self.config.seed)
         if self.mode == "ddp":
@@ -341,7 +342,7 @@ class RpcStrategy(BaseStrategy):
             server.install_trainer_optimizer(None)
 
     def _notify_servers(self) -> None:
-        timeout = NOTIFY_TIMEOUT if self.failed else float(self.config.rpc_timeout)
+        timeout = NOTIFY_TIMEOUT if self.failed else self.opts.rpc_timeout
         futures = [rpc.rpc_async(self.roles.server_name(i), server.trainer_done,
                                  args=(self.roles.name, self.failed), timeout=timeout)
                    for i in range(self.roles.servers)]

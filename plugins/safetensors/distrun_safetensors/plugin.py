@@ -6,7 +6,8 @@ import os
 import time
 from typing import Any
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_safetensors.options import CheckpointOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -21,35 +22,16 @@ _UNSHARED: StashKey[str] = StashKey("safetensors.unshared")
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, PLUGIN)
-    opt("ckpt_dir", str, "", "checkpoint folder (default: RUN_DIR/checkpoints)",
-        exclusive=True)  # one live run writes a checkpoint folder: the core locks it
-    opt("ckpt_every_n_steps", int, 0, "save a checkpoint every N optimizer steps (0: off)", min=0)
-    opt("ckpt_every_n_seconds", float, 0.0,
-        "save when this many seconds passed since the last save (0: off)", min=0)
-    opt("ckpt_keep_last", int, 3, "keep the N newest checkpoints (0: keep all)", min=0)
-    opt("ckpt_save_on_end", bool, False, "save a checkpoint when training ends")
-    opt("ckpt_async", bool, False,
-        "copy tensors to CPU memory and write them in a background thread")
-    opt("ckpt_verify", bool, True, "verify checksums when loading (--no-ckpt-verify skips it)")
-    opt("ckpt_split_mb", float, 4.0,
-        "replicated tensors larger than this are split by rows across ranks when saved", min=0)
-    opt("ckpt_monitor", str, "",
-        "keep the checkpoints with the best values of this logged metric (e.g. val_loss)")
-    opt("ckpt_mode", str, "min", "whether a smaller or a larger --ckpt-monitor value is better",
-        choices=("min", "max"))
-    opt("ckpt_save_top_k", int, 1, "how many best checkpoints --ckpt-monitor keeps", min=1)
-    opt("ckpt_resume_best", bool, False,
-        "--resume latest|auto|FOLDER loads the checkpoint `best` names instead of `latest`")
-    opt("init_weights", str, "",
-        "start from these weights: a folder with model.safetensors.index.json and its shards "
-        "(Hugging Face layout) or a .safetensors file; ignored when the run resumes")
-    opt("init_weights_prefix", str, "",
-        "rename the file's tensors: OLD=NEW replaces the prefix OLD by NEW (`model.` alone "
-        "strips it, `=model.` adds it)")
-    opt("init_weights_strict", bool, True,
-        "every model tensor must be in --init-weights with its shape, and nothing else "
-        "(--no-init-weights-strict loads the ones that match and logs the rest)")
+    register(CheckpointOptions)
+
+
+@hookimpl
+def distrun_resume_words():
+    return {"best": "the best checkpoint --ckpt-monitor kept"}
+
+
+def _opts(run: Any) -> CheckpointOptions:
+    return CheckpointOptions.of(run.config)
 
 
 def _checkpointer(run: Any) -> Any:
@@ -57,7 +39,7 @@ def _checkpointer(run: Any) -> Any:
     if state is None:
         from distrun_safetensors.save import Checkpointer
 
-        cfg = run.config
+        cfg = _opts(run)
         state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
                              split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
                              async_save=cfg.ckpt_async,
@@ -67,7 +49,7 @@ def _checkpointer(run: Any) -> Any:
 
 
 def ckpt_dir(run: Any) -> str:
-    return run.config.get("ckpt_dir") or os.path.join(run.run_dir, "checkpoints")
+    return _opts(run).ckpt_dir or os.path.join(run.run_dir, "checkpoints")
 
 
 def _check_storage(run: Any) -> None:
@@ -83,9 +65,9 @@ def _check_storage(run: Any) -> None:
         found = probe(ckpt_dir(run)) if node_count() > 1 else None
         unshared = "" if found is None else _unshared_line(run, found.describe())
         run.stash[_UNSHARED] = unshared
-        cfg = run.config
+        cfg = _opts(run)
         wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_save_on_end
-                 or cfg.get("ckpt_monitor", "") or cfg.resume != "never")
+                 or cfg.ckpt_monitor or run.config.resume != "never")
         if unshared and (run.generation > 0 or wants):
             from distrun.plugin import UsageError
 
@@ -153,9 +135,9 @@ def distrun_load_checkpoint(run, source):
         saver.wait()
     if run.stage == "fit":
         _check_storage(run)
-    pointer = "best" if run.config.get("ckpt_resume_best", False) else "latest"
+    pointer = "best" if _opts(run).ckpt_resume_best else "latest"
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
-                  verify=run.config.get("ckpt_verify", True), pointer=pointer)
+                  verify=_opts(run).ckpt_verify, pointer=pointer)
     if result is None:
         return None
     run.load_state_dict(result.state)
@@ -166,17 +148,18 @@ def distrun_load_checkpoint(run, source):
 def distrun_on_fit_start(run):
     run.stash[_LAST_SAVE] = time.monotonic()
     _check_storage(run)
-    if run.config.get("init_weights", "") and run.model is not None:
+    if _opts(run).init_weights and run.model is not None:
         _init_weights(run)
     if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start
         from distrun_safetensors.leftovers import sweep_stale
 
         for path in sweep_stale(ckpt_dir(run), timeout=run.config.timeout):
             run.log.info("Removed %s, left by a save that did not finish", path)
-    every, seconds = run.config.ckpt_every_n_steps, run.config.ckpt_every_n_seconds
+    opts = _opts(run)
+    every, seconds = opts.ckpt_every_n_steps, opts.ckpt_every_n_seconds
     if every or seconds:  # a run without a save cadence has no per-step hook of ours
         run.add_hooks(Cadence(every, seconds))
-    if run.config.get("ckpt_monitor", "") and run.model is not None:
+    if opts.ckpt_monitor and run.model is not None:
         run.add_hooks(_best(run))
 
 
@@ -186,7 +169,7 @@ def _best(run: Any) -> Any:
     from distrun_safetensors import comm
     from distrun_safetensors.best import Best, scan
 
-    cfg = run.config
+    cfg = _opts(run)
     entries = scan(ckpt_dir(run), cfg.ckpt_monitor, cfg.ckpt_mode) if run.is_global_zero \
         else None
     entries = comm.broadcast(entries)
@@ -199,7 +182,7 @@ def _best(run: Any) -> Any:
 
 
 def _init_weights(run: Any) -> None:
-    path = run.config.init_weights
+    path = _opts(run).init_weights
     if run.resumed_from:
         if run.is_global_zero:
             run.log.info("--init-weights %s is not loaded: the run resumed from %s (the "
@@ -208,8 +191,8 @@ def _init_weights(run: Any) -> None:
     from distrun_safetensors.weights import load_weights
 
     result = load_weights(path, run.unwrapped_model(),
-                          prefix=run.config.get("init_weights_prefix", ""),
-                          strict=run.config.get("init_weights_strict", True))
+                          prefix=_opts(run).init_weights_prefix,
+                          strict=_opts(run).init_weights_strict)
     if run.is_global_zero:
         for line in result.report():
             run.log.info("%s", line)
@@ -246,7 +229,7 @@ def _time_due(run: Any, seconds: float) -> bool:
 
 @hookimpl
 def distrun_on_fit_end(run):
-    if run.config.get("ckpt_save_on_end", False):
+    if _opts(run).ckpt_save_on_end:
         run.save_checkpoint("end")
     saver = run.stash.get(_KEY)
     if saver is not None:

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from distrun.plugin import UsageError
+from distrun_tp.options import TpOptions
 
 __all__ = ["auto_plan", "find_pairs", "parallelize"]
 
@@ -117,15 +118,15 @@ def auto_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False,
     return plan
 
 
-def parallelize(model: nn.Module, tp_mesh: DeviceMesh, task: Any, config: Any,
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, task: Any, options: TpOptions,
                 log: logging.Logger, verbose: bool = True) -> nn.Module:
     """Apply the task's ``parallelize_plan(mesh)`` or the automatic plan over ``tp_mesh``."""
     custom = getattr(task, "parallelize_plan", None)
     plan = custom(tp_mesh) if custom is not None else None
     source = "the task's parallelize_plan"
     if plan is None:
-        plan = auto_plan(model, tp_mesh.size(), sequence_parallel=config.tp_sequence_parallel,
-                         loss_parallel=config.tp_loss_parallel)
+        plan = auto_plan(model, tp_mesh.size(), sequence_parallel=options.tp_sequence_parallel,
+                         loss_parallel=options.tp_loss_parallel)
         source = "the automatic plan"
     if not plan:
         raise UsageError(

@@ -15,8 +15,8 @@ from distrun.plugin import (
     StrategyInfo,
     UsageError,
     hookimpl,
-    plugin_options,
 )
+from distrun_tp.options import TpOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -33,7 +33,7 @@ def distrun_register_strategies(register):
 def tp_layout(config: Any, world_size: int) -> ParallelDims:
     """``--strategy tp``'s degrees: every rank in one tensor-parallel group (torch-free: the
     launcher checks them before any worker starts, the strategy again in each worker)."""
-    tp = int(config.tp_size or 0) or world_size
+    tp = TpOptions.of(config).tp_size or world_size
     if tp != world_size:
         if world_size % tp:
             hint = f"use --tp-size {world_size}"
@@ -47,13 +47,13 @@ def tp_layout(config: Any, world_size: int) -> ParallelDims:
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "tp")
-    opt("tp_size", int, 0, "tensor-parallel degree (0: every rank under --strategy tp, else 1); "
-        "with --strategy fsdp, a dp x tp mesh", min=0)
-    opt("tp_sequence_parallel", bool, False,
-        "automatic plan: also shard norms and activations along the sequence dim in blocks")
-    opt("tp_loss_parallel", bool, False,
-        "shard the output head's logits and compute cross-entropy on the shards")
+    register(TpOptions)
+
+
+@hookimpl
+def distrun_parallel_degrees(config):
+    tp = TpOptions.of(config).tp_size
+    return {"tp": tp} if tp else None
 
 
 def _tp_mesh(run: Any) -> Any:
@@ -66,7 +66,8 @@ def _tp_mesh(run: Any) -> Any:
 @hookimpl
 def distrun_setup_model(run):
     tp_mesh = _tp_mesh(run)
-    wanted = int(run.config.tp_size or 0)
+    opts = TpOptions.of(run.config)
+    wanted = opts.tp_size
     # A mesh may carry a 'tp' dimension of 1 (a pipeline's pp x dp x tp): the degree asked
     # for must be the mesh's, or --tp-size would be quietly ignored.
     if wanted > 1 and (tp_mesh is None or tp_mesh.size() != wanted):
@@ -79,9 +80,9 @@ def distrun_setup_model(run):
         return
     from distrun_tp.parallelize import parallelize
 
-    run.model = parallelize(run.model.to(run.device), tp_mesh, run.task, run.config, run.log,
+    run.model = parallelize(run.model.to(run.device), tp_mesh, run.task, opts, run.log,
                             verbose=run.is_global_zero)
-    if run.config.tp_loss_parallel:
+    if opts.tp_loss_parallel:
         run.add_hooks(LossParallel())
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun.plugin import PARALLEL_DIMS, StashKey, UsageError, hookimpl, plugin_options
+from distrun.plugin import PARALLEL_DIMS, StashKey, UsageError, hookimpl
+from distrun_amp.options import AmpOptions
 
 if TYPE_CHECKING:
     from distrun_amp.precision import MixedPrecision
@@ -24,21 +25,20 @@ STATE_NAME = "amp_scaler"
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "amp")
-    opt("precision", str, "32-true", "numeric precision: 32-true, bf16-mixed (autocast), "
-        "16-mixed (autocast + GradScaler, CUDA)", choices=("32-true", "bf16-mixed", "16-mixed"))
+    register(AmpOptions)
 
 
 @hookimpl
 def distrun_setup_strategy(run):
-    if run.config.get("precision", "32-true") == "32-true":
+    precision = AmpOptions.of(run.config).precision
+    if precision == "32-true":
         return
     from distrun_amp.precision import MixedPrecision
 
-    amp = run.stash[AMP] = MixedPrecision(run.config.precision, run.device)
+    amp = run.stash[AMP] = MixedPrecision(precision, run.device)
     dims = run.stash.get(PARALLEL_DIMS)
     if amp.scaler is not None and dims is not None and dims.pp > 1:
-        raise UsageError(f"--precision {run.config.precision} scales the loss for backward "
+        raise UsageError(f"--precision {precision} scales the loss for backward "
                          "with a GradScaler, which a pipeline schedule's own backward does not "
                          "do; use --precision bf16-mixed (or 32-true) with pipeline parallel")
     run.add_hooks(Autocast(amp))

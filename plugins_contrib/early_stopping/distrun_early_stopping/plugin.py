@@ -9,8 +9,9 @@ so a resumed run goes on counting.
 
 from __future__ import annotations
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
-from distrun_early_stopping.rule import MODES, EarlyStopping
+from distrun.plugin import StashKey, hookimpl
+from distrun_early_stopping.options import EarlyStoppingOptions
+from distrun_early_stopping.rule import EarlyStopping
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -25,22 +26,7 @@ _WARNED: StashKey[bool] = StashKey("early_stopping.warned")
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "early_stopping")
-    opt("early_stop_monitor", str, "",
-        "stop the fit when this logged metric stops improving, e.g. val_loss (empty: off)",
-        metavar="METRIC")
-    opt("early_stop_mode", str, "min", "min: lower is better; max: higher is better",
-        choices=MODES)
-    opt("early_stop_patience", int, 3, "checks in a row without improvement before stopping",
-        min=0)
-    opt("early_stop_min_delta", float, 0.0,
-        "a change no larger than this does not count as an improvement", min=0)
-    opt("early_stop_check_finite", bool, True,
-        "stop at once when the monitored value is NaN or infinite")
-    opt("early_stop_stopping_threshold", float, None,
-        "stop as soon as the value is better than this (unset: off)")
-    opt("early_stop_divergence_threshold", float, None,
-        "stop as soon as the value is worse than this (unset: off)")
+    register(EarlyStoppingOptions)
 
 
 def _rule(run) -> EarlyStopping | None:
@@ -51,8 +37,8 @@ def _rule(run) -> EarlyStopping | None:
     rule = run.stash.get(EARLY_STOPPING)
     if rule is not None:
         return rule
-    cfg = run.config
-    monitor = cfg.get("early_stop_monitor", "")
+    cfg = EarlyStoppingOptions.of(run.config)
+    monitor = cfg.early_stop_monitor
     if not monitor:
         return None
     rule = EarlyStopping(

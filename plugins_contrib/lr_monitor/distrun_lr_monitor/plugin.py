@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_lr_monitor.options import LrMonitorOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -32,11 +33,7 @@ __all__ = ["LR_MONITOR", "LrMonitor", "group_names"]
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "lr_monitor")
-    opt("lr_monitor", bool, False,
-        "log each param group's learning rate as lr-<group> with the training metrics")
-    opt("lr_monitor_momentum", bool, False,
-        "also log each group's momentum as momentum-<group> (SGD's momentum, Adam's beta1)")
+    register(LrMonitorOptions)
 
 
 def group_names(groups: list[dict[str, Any]]) -> list[str]:
@@ -130,9 +127,9 @@ LR_MONITOR: StashKey[LrMonitor] = StashKey("lr_monitor")
 
 @hookimpl
 def distrun_on_fit_start(run):
-    cfg = run.config
-    if not cfg.get("lr_monitor", False) or getattr(run, "stage", "fit") != "fit" \
+    cfg = LrMonitorOptions.of(run.config)
+    if not cfg.lr_monitor or getattr(run, "stage", "fit") != "fit" \
             or run.optimizer is None or not run.optimizer.param_groups:
         return
-    monitor = run.stash[LR_MONITOR] = LrMonitor(run, cfg.get("lr_monitor_momentum", False))
+    monitor = run.stash[LR_MONITOR] = LrMonitor(run, cfg.lr_monitor_momentum)
     run.add_hooks(monitor)

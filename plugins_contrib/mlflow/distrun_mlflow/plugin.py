@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_mlflow.options import MlflowOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -18,35 +19,9 @@ DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 _KEY: StashKey[Any] = StashKey("mlflow")
 
 
-def _tags(value: str) -> str:
-    """Check ``KEY=VALUE,KEY=VALUE`` (the launcher rejects a bad value with exit 2)."""
-    from distrun_mlflow.settings import parse_tags
-
-    parse_tags(value)
-    return value.strip()
-
-
-def _uri(value: str) -> str:
-    from distrun_mlflow.settings import check_tracking_uri
-
-    return check_tracking_uri(value)
-
-
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "mlflow")
-    opt("mlflow", bool, False, "log params, metrics, the loss plot and the status to MLflow "
-                               "on rank 0")
-    opt("mlflow_tracking_uri", str, "",
-        "where to log: a local store such as sqlite:///mlflow.db, or a server "
-        "(default: $MLFLOW_TRACKING_URI, else the file store RUN_DIR/mlruns)", parse=_uri,
-        metavar="URI")
-    opt("mlflow_experiment", str, "", "experiment name (default: the run name)")
-    opt("mlflow_run_name", str, "", "MLflow run name (default: the run name)")
-    opt("mlflow_tags", str, "", "tags of the MLflow run, e.g. team=nlp,owner=ana", parse=_tags,
-        metavar="KEY=VALUE,...")
-    opt("mlflow_log_plot", bool, True, "log the loss/lr/throughput plot of metrics.csv as "
-                                       "metrics.png at the end (needs matplotlib)")
+    register(MlflowOptions)
 
 
 def _writer(run: Any) -> Any:
@@ -54,7 +29,7 @@ def _writer(run: Any) -> Any:
     writer = run.stash.get(_KEY)
     if writer is None:
         writer = False
-        if run.is_global_zero and run.config.get("mlflow", True) \
+        if run.is_global_zero and MlflowOptions.of(run.config).mlflow \
                 and getattr(run, "stage", "fit") != "predict":
             from distrun_mlflow.writer import MlflowWriter, settings_of
 

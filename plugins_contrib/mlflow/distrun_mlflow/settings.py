@@ -50,9 +50,10 @@ def check_tracking_uri(value: str) -> str:
     return value
 
 
-def tracking_uri(config: Any, run_dir: str | None) -> str:
-    """``--mlflow-tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else ``file:RUN_DIR/mlruns``."""
-    uri = config.get("mlflow_tracking_uri", "") or os.environ.get("MLFLOW_TRACKING_URI", "")
+def tracking_uri(given: str, run_dir: str | None) -> str:
+    """``given`` (``--mlflow-tracking-uri``), else ``$MLFLOW_TRACKING_URI``, else
+    ``file:RUN_DIR/mlruns``."""
+    uri = given or os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri:
         return uri
     return pathlib.Path(os.path.abspath(os.path.join(run_dir or ".", "mlruns"))).as_uri()

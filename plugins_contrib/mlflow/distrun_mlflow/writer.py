@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distrun.plugin import first_line
+from distrun_mlflow.options import MlflowOptions
 from distrun_mlflow.settings import (
     MAX_KEY,
     MAX_METRICS_PER_BATCH,
@@ -63,17 +64,18 @@ class Settings:
 
 def settings_of(run: Any) -> Settings:
     cfg = run.config
-    name = cfg.get("name", "") or os.path.basename(os.path.normpath(run.run_dir or "run"))
-    tags = parse_tags(cfg.get("mlflow_tags", ""))
+    opts = MlflowOptions.of(cfg)
+    name = cfg.name or os.path.basename(os.path.normpath(run.run_dir or "run"))
+    tags = parse_tags(opts.mlflow_tags)
     tags.update({"distrun.world_size": str(run.world_size),
                  "distrun.strategy": str(getattr(run.strategy, "name", "")),
                  "distrun.stage": getattr(run, "stage", "fit")})
     if run.run_dir:
         tags["distrun.run_dir"] = os.path.abspath(run.run_dir)
     return Settings(
-        uri=tracking_uri(cfg, run.run_dir),
-        experiment=cfg.get("mlflow_experiment", "") or name,
-        run_name=cfg.get("mlflow_run_name", "") or name,
+        uri=tracking_uri(opts.mlflow_tracking_uri, run.run_dir),
+        experiment=opts.mlflow_experiment or name,
+        run_name=opts.mlflow_run_name or name,
         params=flatten(cfg.as_dict()),
         tags=tags,
         run_file=os.path.join(run.run_dir, RUN_FILE) if run.run_dir else None,
@@ -303,7 +305,7 @@ def close_run(run: Any, writer: MlflowWriter) -> None:
     writer.end(writer.status, timeout=0)  # the status first: the plot may take a second
     plot = None
     if getattr(run, "stage", "fit") == "fit" and not writer.failed \
-            and run.config.get("mlflow_log_plot", True):
+            and MlflowOptions.of(run.config).mlflow_log_plot:
         try:
             plot = render_plot(run)
         except Exception as exc:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_profiler.options import ProfilerOptions
 
 if TYPE_CHECKING:
     from distrun_profiler.profiling import StepProfiler
@@ -27,22 +28,12 @@ PROFILER: StashKey[StepProfiler] = StashKey("profiler")
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "profiler")
-    opt("profile", bool, False,
-        "trace a few training steps with torch.profiler (a trace per rank in RUN_DIR/profiler)")
-    opt("profile_wait", int, 1, "steps to skip before the profiler starts warming up", min=0)
-    opt("profile_warmup", int, 2, "steps traced but thrown away (warm-up)", min=0)
-    opt("profile_steps", int, 5, "steps recorded into the trace", min=1)
-    opt("profile_dir", str, "", "trace folder (default: RUN_DIR/profiler)", metavar="DIR")
-    opt("profile_memory", bool, False, "record tensor allocations (memory view)")
-    opt("profile_shapes", bool, False, "record input shapes of the ops")
-    opt("profile_stack", bool, False, "record Python stacks of the ops (larger traces)")
-    opt("profile_top", int, 5, "ops named in rank 0's summary line (0: no summary)", min=0)
+    register(ProfilerOptions)
 
 
 @hookimpl
 def distrun_on_fit_start(run):
-    if not run.config.get("profile", False) or getattr(run, "stage", "fit") != "fit":
+    if not ProfilerOptions.of(run.config).profile or getattr(run, "stage", "fit") != "fit":
         return
     from distrun_profiler.profiling import StepProfiler
 

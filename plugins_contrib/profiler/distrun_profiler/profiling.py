@@ -11,13 +11,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from distrun.plugin import hookimpl
+from distrun_profiler.options import ProfilerOptions
 
 __all__ = ["StepProfiler", "top_ops", "trace_dir"]
 
 
 def trace_dir(run: Any) -> str:
     """``--profile-dir``, else ``RUN_DIR/profiler``."""
-    return run.config.get("profile_dir") or os.path.join(run.run_dir or ".", "profiler")
+    return ProfilerOptions.of(run.config).profile_dir or os.path.join(run.run_dir or ".", "profiler")
 
 
 def top_ops(events: Any, count: int, device: bool = False) -> list[tuple[str, float, float]]:
@@ -39,7 +40,7 @@ class StepProfiler:
     """
 
     def __init__(self, run: Any) -> None:
-        cfg = run.config
+        cfg = ProfilerOptions.of(run.config)
         self.wait, self.warmup = int(cfg.profile_wait), int(cfg.profile_warmup)
         self.active = int(cfg.profile_steps)
         self.total = self.wait + self.warmup + self.active
@@ -47,7 +48,7 @@ class StepProfiler:
         self.first = run.progress.step + self.wait + self.warmup + 1
         self.dir = trace_dir(run)
         self.worker = f"{socket.gethostname()}_rank{run.rank}"
-        self.top = int(cfg.get("profile_top", 5))
+        self.top = int(cfg.profile_top)
         self.device = torch.cuda.is_available() and run.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device else [])
         self.prof: Any = profile(

@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from distrun_progress.options import ProgressOptions
+
 #: the launcher passes its terminal to rank 0 in this variable (workers' stdout is a pipe)
 TTY_ENV = "DISTRUN_PROGRESS_TTY"
 
@@ -213,8 +215,8 @@ def _open_tty(path: str | None) -> IO[str] | None:
 
 def make_display(run: Any) -> BarDisplay | LinesDisplay:
     """A bar when rank 0 can draw on a terminal (or ``--progress-mode bar``), else lines."""
-    cfg = run.config
-    mode = cfg.get("progress_mode", "auto")
+    opts = ProgressOptions.of(run.config)
+    mode = opts.progress_mode
     if mode != "lines":
         if sys.stdout.isatty():
             return BarDisplay(run, sys.stdout, owns_stream=False)
@@ -223,4 +225,4 @@ def make_display(run: Any) -> BarDisplay | LinesDisplay:
             return BarDisplay(run, tty, owns_stream=True)
         if mode == "bar":
             return BarDisplay(run, sys.stdout, owns_stream=False)
-    return LinesDisplay(run, sys.stdout, cfg.get("progress_interval", 10.0))
+    return LinesDisplay(run, sys.stdout, opts.progress_interval)

@@ -12,8 +12,9 @@ import os
 import sys
 from typing import Any
 
-from distrun.plugin import CONSOLE_OWNER, StashKey, hookimpl, plugin_options
+from distrun.plugin import CONSOLE_OWNER, StashKey, hookimpl
 from distrun_progress.display import TTY_ENV, make_display
+from distrun_progress.options import ProgressOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -23,19 +24,13 @@ _KEY: StashKey[Any] = StashKey("progress")  # the display
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "progress")
-    opt("progress", bool, True,
-        "show progress on rank 0: a bar on a terminal, plain lines otherwise")
-    opt("progress_mode", str, "auto", "'auto': a bar when stdout is a terminal, else lines",
-        choices=("auto", "bar", "lines"))
-    opt("progress_interval", float, 10.0, "seconds between plain progress lines (lines mode)",
-        min=0)
+    register(ProgressOptions)
 
 
 @hookimpl(wrapper=True)
 def distrun_launch(config, command, environ):
     # Any launcher's workers inherit `environ`: tell them which terminal the user watches.
-    if config.get("progress", True) and TTY_ENV not in environ:
+    if ProgressOptions.of(config).progress and TTY_ENV not in environ:
         try:
             if sys.stdout.isatty():
                 environ[TTY_ENV] = os.ttyname(sys.stdout.fileno())
@@ -46,7 +41,7 @@ def distrun_launch(config, command, environ):
 
 @hookimpl(trylast=True)  # after the core's model summary, so the bar starts below it
 def distrun_on_fit_start(run):
-    if not run.is_global_zero or not run.config.get("progress", True):
+    if not run.is_global_zero or not ProgressOptions.of(run.config).progress:
         return
     display = run.stash[_KEY] = make_display(run)
     run.stash[CONSOLE_OWNER] = "progress"

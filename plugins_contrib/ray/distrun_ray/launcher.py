@@ -42,6 +42,7 @@ from distrun.plugin import (
     torchrun_env,
     with_values,
 )
+from distrun_ray.options import RayOptions
 
 __all__ = ["launch_ray", "forwarded_env"]
 
@@ -83,7 +84,7 @@ class _NoRoom(Exception):
 
 
 def _connect(config: RunConfig) -> Any:
-    address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+    address = RayOptions.of(config).ray_address or os.environ.get("RAY_ADDRESS") or None
     if address and address.rpartition(":")[0] in LOOPBACK:
         # Ray rewrites 127.0.0.1 to the machine's outward address unless told the cluster is
         # local-only; a head started on 127.0.0.1 listens there only. Read when ray is imported.
@@ -107,12 +108,13 @@ def _place(ray: Any, config: RunConfig, n: int) -> tuple[Any, list[_Rank]]:
 
     from distrun_ray.actor import RankHost
 
-    bundle: dict[str, float] = {"CPU": config.ray_cpus_per_worker}
-    if config.ray_gpus_per_worker:
-        bundle["GPU"] = config.ray_gpus_per_worker
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=config.ray_placement)
+    opts = RayOptions.of(config)
+    bundle: dict[str, float] = {"CPU": opts.ray_cpus_per_worker}
+    if opts.ray_gpus_per_worker:
+        bundle["GPU"] = opts.ray_gpus_per_worker
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=opts.ray_placement)
     try:
-        ray.get(pg.ready(), timeout=config.ray_start_timeout)
+        ray.get(pg.ready(), timeout=opts.ray_start_timeout)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         have = ray.cluster_resources()
@@ -120,10 +122,10 @@ def _place(ray: Any, config: RunConfig, n: int) -> tuple[Any, list[_Rank]]:
                       f"CPU={have.get('CPU', 0):g}, GPU={have.get('GPU', 0):g}") from None
     remote = ray.remote(RankHost)
     actors = [remote.options(
-        num_cpus=config.ray_cpus_per_worker, num_gpus=config.ray_gpus_per_worker or None,
+        num_cpus=opts.ray_cpus_per_worker, num_gpus=opts.ray_gpus_per_worker or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
-    nodes = ray.get([a.node.remote() for a in actors], timeout=config.ray_start_timeout)
+    nodes = ray.get([a.node.remote() for a in actors], timeout=opts.ray_start_timeout)
     # torchrun's numbering: ranks of one node are consecutive, nodes in order of appearance.
     order: dict[str, list[int]] = {}
     for i, (_, node_id, _) in enumerate(nodes):
@@ -209,11 +211,12 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
     ray = _connect(config)
     from ray.util.placement_group import remove_placement_group
 
-    n = config.ray_num_workers or config.world_size_requested or 1
-    restarts = config.ray_max_restarts
+    opts = RayOptions.of(config)
+    n = opts.ray_num_workers or config.world_size_requested or 1
+    restarts = opts.ray_max_restarts
     if restarts == 0 and "ray_max_restarts" not in config.sources:
-        restarts = int(config.get("max_restarts", 0) or 0)  # the elastic plugin's flag, if any
-    base = forwarded_env(environ, config.ray_env)
+        restarts = int(config.get("max_restarts") or 0)  # the elastic plugin's flag, if any
+    base = forwarded_env(environ, opts.ray_env)
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -229,10 +232,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                 if attempt == 0:
                     raise UsageError(
                         f"the Ray cluster cannot place {asked} within "
-                        f"{config.ray_start_timeout:g}s (it has {have}); lower "
+                        f"{opts.ray_start_timeout:g}s (it has {have}); lower "
                         "--ray-num-workers or --ray-cpus-per-worker, or add nodes") from None
                 print(f"distrun: the Ray cluster cannot place {asked} "
-                      f"({config.ray_placement}) again within {config.ray_start_timeout:g}s "
+                      f"({opts.ray_placement}) again within {opts.ray_start_timeout:g}s "
                       f"(it has {have}) after "
                       f"{'losing ' + ', '.join(lost) if lost else 'the failure above'}: add a "
                       "node (or restart the lost one) and run again with --resume auto; exit "

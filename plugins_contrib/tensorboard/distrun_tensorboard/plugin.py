@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_tensorboard.options import TensorBoardOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -18,10 +19,7 @@ _KEY: StashKey[Any] = StashKey("tensorboard")  # the SummaryWriter, rank 0 only
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "tensorboard")
-    opt("tensorboard", bool, True, "write TensorBoard event files on rank 0")
-    opt("tensorboard_dir", str, "", "event file folder (default: RUN_DIR/tensorboard)")
-    opt("tensorboard_flush_secs", float, 30.0, "seconds between flushes of the event file", min=0)
+    register(TensorBoardOptions)
 
 
 @hookimpl
@@ -32,7 +30,7 @@ def distrun_on_fit_start(run):
 def _writer(run: Any) -> Any:
     """The run's writer, opened at fit start or (an evaluation alone) at the first row."""
     writer = run.stash.get(_KEY)
-    if writer is None and run.is_global_zero and run.config.get("tensorboard", True):
+    if writer is None and run.is_global_zero and TensorBoardOptions.of(run.config).tensorboard:
         from distrun_tensorboard.writer import open_writer
 
         writer = run.stash[_KEY] = open_writer(run)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from distrun_tensorboard.options import TensorBoardOptions
+
 __all__ = ["event_dir", "open_writer"]
 
 
 def event_dir(run: Any) -> str:
     """``--tensorboard-dir``, else ``RUN_DIR/tensorboard``."""
-    return run.config.get("tensorboard_dir") or os.path.join(run.run_dir or ".", "tensorboard")
+    return TensorBoardOptions.of(run.config).tensorboard_dir or os.path.join(run.run_dir or ".", "tensorboard")
 
 
 def open_writer(run: Any) -> Any:
@@ -19,7 +21,7 @@ def open_writer(run: Any) -> Any:
 
     purge = run.progress.step + 1 if run.resumed_from else None
     writer = SummaryWriter(log_dir=event_dir(run), purge_step=purge,
-                           flush_secs=int(run.config.get("tensorboard_flush_secs", 30.0)) or 1)
+                           flush_secs=int(TensorBoardOptions.of(run.config).tensorboard_flush_secs) or 1)
     if run.resumed_from is None:
         from distrun.plugin import render_config
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distrun.plugin import first_line
+from distrun_wandb.options import WandbOptions
 
 __all__ = ["RUN_FILE", "WandbLogger", "mode_of", "open_logger", "render_plot"]
 
@@ -26,12 +27,12 @@ RUN_FILE = "wandb_run.json"
 PLOT_KEY = "metrics_plot"
 
 
-def mode_of(config: Any) -> str:
+def mode_of(opts: WandbOptions) -> str:
     """``--wandb-mode`` when ``--wandb`` is on (else ``disabled``); ``auto`` is
     ``$WANDB_MODE`` when the user set one, else offline."""
-    if not config.get("wandb", False):
+    if not opts.wandb:
         return "disabled"
-    mode = config.get("wandb_mode", "auto")
+    mode = opts.wandb_mode
     if mode == "auto":
         mode = os.environ.get("WANDB_MODE", "").strip() or "offline"
     return str(mode)
@@ -39,16 +40,17 @@ def mode_of(config: Any) -> str:
 
 def _init_kwargs(run: Any, mode: str) -> dict[str, Any]:
     cfg = run.config
-    name = cfg.get("name", "") or None
+    opts = WandbOptions.of(cfg)
+    name = cfg.name or None
     config = cfg.as_dict()
     config["distrun"] = {"world_size": run.world_size,
                          "strategy": getattr(run.strategy, "name", None),
                          "resumed_from": run.resumed_from}
     kwargs: dict[str, Any] = dict(
-        project=cfg.get("wandb_project", "") or os.environ.get("WANDB_PROJECT") or "distrun",
-        entity=cfg.get("wandb_entity", "") or None,  # None: wandb reads $WANDB_ENTITY
-        name=cfg.get("wandb_run_name", "") or name,
-        tags=[t.strip() for t in cfg.get("wandb_tags", "").split(",") if t.strip()] or None,
+        project=opts.wandb_project or os.environ.get("WANDB_PROJECT") or "distrun",
+        entity=opts.wandb_entity or None,  # None: wandb reads $WANDB_ENTITY
+        name=opts.wandb_run_name or name,
+        tags=[t.strip() for t in opts.wandb_tags.split(",") if t.strip()] or None,
         config=config,
         job_type=getattr(run, "stage", "fit"),
         mode=mode,
@@ -80,7 +82,7 @@ def _read_id(path: str) -> str | None:
 
 def open_logger(run: Any) -> WandbLogger | bool:
     """Start (or continue) the W&B run; False, with a warning, when W&B cannot start."""
-    mode = mode_of(run.config)
+    mode = mode_of(WandbOptions.of(run.config))
     try:
         import wandb
 
@@ -146,7 +148,7 @@ class WandbLogger:
         path = None
         try:
             if plot and getattr(run, "stage", "fit") == "fit" \
-                    and run.config.get("wandb_log_plot", True):
+                    and WandbOptions.of(run.config).wandb_log_plot:
                 path = render_plot(run)
             if path:
                 import wandb

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.plugin import StashKey, hookimpl, plugin_options
+from distrun.plugin import StashKey, hookimpl
+from distrun_wandb.options import WandbOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -19,20 +20,7 @@ _KEY: StashKey[Any] = StashKey("wandb")
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "wandb")
-    opt("wandb", bool, False, "log config, metrics and the loss plot to Weights & Biases on "
-                              "rank 0 (offline unless --wandb-mode online)")
-    opt("wandb_mode", str, "auto", "with --wandb; offline: write RUN_DIR/wandb only (upload later with "
-        "wandb sync); online: stream to the server; disabled: no W&B at all; auto: "
-        "$WANDB_MODE if set, else offline", choices=("auto", "offline", "online", "disabled"))
-    opt("wandb_project", str, "", "W&B project (default: $WANDB_PROJECT, else distrun)")
-    opt("wandb_entity", str, "", "W&B entity, a user or team (default: $WANDB_ENTITY, else "
-                                 "your default entity)")
-    opt("wandb_run_name", str, "", "W&B run name (default: the run name)")
-    opt("wandb_tags", str, "", "comma-separated tags of the W&B run, e.g. baseline,ddp",
-        metavar="TAG,...")
-    opt("wandb_log_plot", bool, True, "log the loss/lr/throughput plot of metrics.csv as the "
-                                      "image metrics_plot at the end (needs matplotlib)")
+    register(WandbOptions)
 
 
 def _logger(run: Any) -> Any:
@@ -43,7 +31,7 @@ def _logger(run: Any) -> Any:
         if run.is_global_zero:
             from distrun_wandb.logger import mode_of, open_logger
 
-            if mode_of(run.config) != "disabled":
+            if mode_of(WandbOptions.of(run.config)) != "disabled":
                 logger = open_logger(run)
         run.stash[_KEY] = logger
     return logger or None

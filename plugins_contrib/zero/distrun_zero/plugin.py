@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-from distrun.plugin import PARALLEL_DIMS, UsageError, hookimpl, plugin_options
+from distrun.plugin import PARALLEL_DIMS, UsageError, hookimpl
+from distrun_zero.options import ZeroOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 
 @hookimpl
 def distrun_register_options(register):
-    opt = plugin_options(register, "zero")
-    opt("zero", bool, False, "shard the optimizer state across data-parallel ranks "
-        "(ZeroRedundancyOptimizer; needs --strategy ddp)")
-    opt("zero_bucket_view", bool, False, "ZeRO: pack parameters into contiguous buckets per "
-        "rank (faster broadcasts, one extra copy of the parameters)")
+    register(ZeroOptions)
 
 
 @hookimpl(trylast=True)
 def distrun_setup_optimizer(run):
     # trylast: after the core built the task's optimizer and the strategy wrapped it.
-    if run.config.zero:
+    if ZeroOptions.of(run.config).zero:
         dims = run.stash.get(PARALLEL_DIMS)
         if dims is not None and dims.pp > 1:
             raise UsageError("--zero does not compose with pipeline parallel (see the "
@@ -32,7 +29,7 @@ def distrun_setup_optimizer(run):
 
 @hookimpl
 def distrun_state_dict(run):
-    if run.config.zero:
+    if ZeroOptions.of(run.config).zero:
         from distrun_zero.zero import layout
 
         return {"zero": layout(run)}
@@ -41,7 +38,7 @@ def distrun_state_dict(run):
 
 @hookimpl
 def distrun_load_state_dict(run, state):
-    if run.config.zero and "zero" in state:
+    if ZeroOptions.of(run.config).zero and "zero" in state:
         from distrun_zero.zero import check_layout
 
         check_layout(run, state["zero"])

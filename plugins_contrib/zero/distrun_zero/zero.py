@@ -19,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.plugin import Run, UsageError, to_cpu
+from distrun_zero.options import ZeroOptions
 
 __all__ = ["ZeroOptimizer", "check_layout", "layout", "shard_optimizer", "state_bytes"]
 
@@ -71,7 +72,7 @@ def shard_optimizer(run: Run) -> None:
         return
     groups = [dict(g) for g in inner.param_groups]
     zero = ZeroOptimizer(groups, optimizer_class=type(inner),
-                         parameters_as_bucket_view=run.config.zero_bucket_view,
+                         parameters_as_bucket_view=ZeroOptions.of(run.config).zero_bucket_view,
                          **_constructor_defaults(inner))
     run.optimizer = zero
     if run.lr_scheduler is not None:

@@ -137,13 +137,14 @@ def test_plugin_module_imports_neither_torch_nor_wandb():
 
 def test_mode_auto_follows_wandb_mode(monkeypatch):
     from distrun_wandb.logger import mode_of
+    from distrun_wandb.options import WandbOptions
 
-    config = {"wandb": True, "wandb_mode": "auto"}
+    config = WandbOptions(wandb=True, wandb_mode="auto")
     assert mode_of(config) == "offline"
     monkeypatch.setenv("WANDB_MODE", "online")
     assert mode_of(config) == "online"
-    assert mode_of({"wandb": True, "wandb_mode": "disabled"}) == "disabled"
-    assert mode_of({"wandb_mode": "online"}) == "disabled"  # off unless --wandb
+    assert mode_of(WandbOptions(wandb=True, wandb_mode="disabled")) == "disabled"
+    assert mode_of(WandbOptions(wandb_mode="online")) == "disabled"  # off unless --wandb
 
 
 def test_bad_mode_is_a_usage_error(cli, tmp_path):

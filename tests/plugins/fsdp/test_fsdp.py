@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from distrun.plugin import UsageError
+from distrun.plugin import UsageError, hookimpl
 from distrun.testing import free_port, imports_torch, run_cli, run_on_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # fsdp_tasks, importable by spawned ranks too
@@ -143,3 +143,30 @@ def test_clip_grad_norm_on_plain_tensors_matches_torch() -> None:
     assert float(mine) == pytest.approx(float(ref), rel=1e-6)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-7)
+
+
+class _PublishesTp:
+    """A plugin that owns a tp dimension without being distrun-tp (no --tp-size option)."""
+
+    @hookimpl
+    def distrun_parallel_degrees(self, config):
+        return {"tp": 2}
+
+
+def test_the_launcher_reads_the_published_tp_degree_not_the_tp_option() -> None:
+    import distrun_fsdp.plugin
+    import distrun_tp.plugin
+    from distrun._config.run_config import resolve_config
+    from distrun._registry.collect import collect_options, collect_strategies
+    from distrun._registry.manager import make_plugin_manager
+
+    for plugins, flags in (([distrun_fsdp.plugin, _PublishesTp()], {}),
+                           ([distrun_fsdp.plugin, distrun_tp.plugin], {"tp_size": "2"}),
+                           ([distrun_fsdp.plugin, distrun_tp.plugin], {})):
+        pm = make_plugin_manager(autoload=False)
+        for plugin in plugins:
+            pm.register(plugin)
+        config = resolve_config(collect_options(pm), flags=flags, environ={}, pluginmanager=pm)
+        fsdp = collect_strategies(pm)["fsdp"]
+        want = 4 if plugins[1] is distrun_tp.plugin and not flags else 2
+        assert fsdp.data_parallel_size(config, 4) == want, (plugins, flags)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
-from distrun.plugin import Option, StashKey, StrategyInfo, UsageError, hookimpl
+from distrun.plugin import PluginOptions, StashKey, StrategyInfo, UsageError, hookimpl, option
 
 DISTRUN_PLUGIN_API = 1
 
@@ -16,10 +17,14 @@ DISTRUN_PLUGIN_API = 1
 _FILE: StashKey = StashKey("thirdparty.jsonl")
 
 
+@dataclass(frozen=True)
+class ThirdPartyOptions(PluginOptions, plugin="thirdparty"):
+    jsonl_every: int = option(0, "write metrics.jsonl every N steps (0: off)", min=0)
+
+
 @hookimpl
 def distrun_register_options(register):
-    register(Option("jsonl_every", int, 0, min=0, plugin="thirdparty",
-                    help="write metrics.jsonl every N steps (0: off)"))
+    register(ThirdPartyOptions)
 
 
 @hookimpl
@@ -38,14 +43,14 @@ def _layout(config, world):
 
 @hookimpl
 def distrun_on_fit_start(run):
-    if run.config.jsonl_every and run.is_global_zero:
+    if ThirdPartyOptions.of(run.config).jsonl_every and run.is_global_zero:
         run.stash[_FILE] = open(os.path.join(run.run_dir, "metrics.jsonl"), "w")  # noqa: SIM115
 
 
 @hookimpl
 def distrun_log_metrics(run, step, metrics):
     out = run.stash.get(_FILE)
-    if out is not None and step % run.config.jsonl_every == 0:
+    if out is not None and step % ThirdPartyOptions.of(run.config).jsonl_every == 0:
         out.write(json.dumps({"step": step, "world": run.world_size,
                               **{k: float(v) for k, v in metrics.items()}}) + "\n")
 

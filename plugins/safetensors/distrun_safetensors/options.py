@@ -1,0 +1,45 @@
+"""The safetensors plugin's options, read typed with ``CheckpointOptions.of(config)`` (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distrun.plugin import PluginOptions, option
+
+
+@dataclass(frozen=True)
+class CheckpointOptions(PluginOptions, plugin="safetensors"):
+    """The safetensors plugin's options (``CheckpointOptions.of(config)``)."""
+
+    ckpt_dir: str = option("", "checkpoint folder (default: RUN_DIR/checkpoints)", exclusive=True)
+    ckpt_every_n_steps: int = option(
+        0, "save a checkpoint every N optimizer steps (0: off)",
+        min=0)
+    ckpt_every_n_seconds: float = option(
+        0.0, "save when this many seconds passed since the last save (0: off)",
+        min=0)
+    ckpt_keep_last: int = option(3, "keep the N newest checkpoints (0: keep all)", min=0)
+    ckpt_save_on_end: bool = option(False, "save a checkpoint when training ends")
+    ckpt_async: bool = option(
+        False, "copy tensors to CPU memory and write them in a background thread")
+    ckpt_verify: bool = option(True, "verify checksums when loading (--no-ckpt-verify skips it)")
+    ckpt_split_mb: float = option(
+        4.0, "replicated tensors larger than this are split by rows across ranks when saved",
+        min=0)
+    ckpt_monitor: str = option(
+        "", "keep the checkpoints with the best values of this logged metric (e.g. val_loss)")
+    ckpt_mode: str = option(
+        "min", "whether a smaller or a larger --ckpt-monitor value is better",
+        choices=("min", "max"))
+    ckpt_save_top_k: int = option(1, "how many best checkpoints --ckpt-monitor keeps", min=1)
+    ckpt_resume_best: bool = option(
+        False, "--resume latest|auto|FOLDER loads the checkpoint `best` names instead of `latest`")
+    init_weights: str = option(
+        "", "start from these weights: a folder with model.safetensors.index.json and its shards "
+        "(Hugging Face layout) or a .safetensors file; ignored when the run resumes")
+    init_weights_prefix: str = option(
+        "", "rename the file's tensors: OLD=NEW replaces the prefix OLD by NEW (`model.` alone "
+        "strips it, `=model.` adds it)")
+    init_weights_strict: bool = option(
+        True, "every model tensor must be in --init-weights with its shape, and nothing else "
+        "(--no-init-weights-strict loads the ones that match and logs the rest)")
