@@ -163,6 +163,11 @@ def fit_ft(run: Any) -> Any:
         total = min(total, int(cfg.max_steps))
     replica = int(os.environ.get(REPLICA_ENV, "0"))
     inner_rank, inner_world = run.strategy.dp_rank, run.strategy.dp_world_size
+    own_group = not dist.is_initialized()
+    if own_group:
+        # A one-rank group (the strategy made no process group): the Manager still needs the
+        # group's store, which rank 0 serves on the launcher's socket once a group forms.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.timeout)))
     if not cfg.debug:
         # torchft logs each peer failure with a traceback; the loop says it in one line
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
@@ -231,6 +236,8 @@ def fit_ft(run: Any) -> Any:
                 run.done = True
     finally:
         manager.shutdown(wait=False)
+        if own_group:
+            dist.destroy_process_group()
     return run.progress
 
 

@@ -5,6 +5,8 @@ that rank trained on, with its replica group, the quorum's participants and id, 
 ``$FT_RECORD/replica<G>-rank<R>.jsonl``; at the end of the fit each rank's weights go to
 ``$FT_RECORD/weights-replica<G>-rank<R>.safetensors``.
 
+``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts).
+
 The hold hook (``FT_HOLD_STEP=S``, ``FT_HOLD_VICTIM=G``), in a group's first life only: at
 step S each rank of the victim group writes its pid to ``$FT_RECORD/victim-held-rank<R>`` and
 sleeps in its forward pass, so it never reaches the
@@ -67,6 +69,8 @@ def _touch(path: str) -> None:
 
 @hookimpl(wrapper=True)
 def distrun_training_step(run, batch):
+    if os.environ.get("FT_STEP_SLEEP"):
+        time.sleep(float(os.environ["FT_STEP_SLEEP"]))
     hold = os.environ.get("FT_HOLD_STEP")
     first_life = os.environ.get("DISTRUN_FT_ATTEMPT", "0") == "0"
     if hold and first_life and run.progress.step + 1 == int(hold):
