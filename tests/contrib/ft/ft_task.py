@@ -5,6 +5,10 @@ that rank trained on, with its replica group, the quorum's participants and id, 
 ``$FT_RECORD/replica<G>-rank<R>.jsonl``; at the end of the fit each rank's weights go to
 ``$FT_RECORD/weights-replica<G>-rank<R>.safetensors``.
 
+With ``FT_AWAIT_REPLACEMENT=1`` a survivor training alone after the hold waits for the
+victim's replacement to start, then goes on slowly (0.25 s a step) while it is still alone, so
+the replacement rejoins before the run ends.
+
 ``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts).
 
 The hold hook (``FT_HOLD_STEP=S``, ``FT_HOLD_VICTIM=G``), in a group's first life only: at
@@ -91,7 +95,7 @@ def distrun_training_step(run, batch):
             handles = [p.register_post_accumulate_grad_hook(produced) for p in params]
             run.stash[_HANDLES] = handles
     elif hold and first_life and run.progress.step + 1 > int(hold) and \
-            _pending.get("participants") == 1:
+            _pending.get("participants") == 1 and os.environ.get("FT_AWAIT_REPLACEMENT"):
         # A survivor training alone gives the victim's replacement time to rejoin: it waits
         # for the replacement to start, then goes on slowly while it is still alone.
         where, replica, rank = _where()

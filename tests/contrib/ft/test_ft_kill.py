@@ -53,7 +53,7 @@ def _check_bit_equal(record: Path, expected: int) -> None:
 def test_kill_a_group_held_in_the_allreduce(launch, ft, tmp_path):
     steps, hold = 4 * PER_EPOCH, 5
     run = launch(*_args(steps), env=ft.env(tmp_path, FT_HOLD_STEP=str(hold),
-                                           FT_HOLD_VICTIM="1"))
+                                           FT_HOLD_VICTIM="1", FT_AWAIT_REPLACEMENT="1"))
     held = [tmp_path / "victim-held-rank0", tmp_path / "victim-held-rank1",
             tmp_path / "peer0-at-allreduce"]
     ft.wait_for(held, run, timeout=180)
