@@ -35,6 +35,7 @@ from distrun.plugin import (
     STOP_GRACE,
     STORE_FD_ENV,
     UsageError,
+    bind_address,
     die_with_parent,
     exit_code,
     listen_socket,
@@ -46,7 +47,7 @@ from distrun.plugin import (
 )
 from distrun_ft.settings import lighthouse_hostport, timeouts
 
-__all__ = ["launch_ft", "BARRIER_ENV", "REPLICA_ENV", "GROUPS_ENV", "LIGHTHOUSE_ENV", "ATTEMPT_ENV"]
+__all__ = ["launch_ft", "ADDRESS_ENV", "BARRIER_ENV", "REPLICA_ENV", "GROUPS_ENV", "LIGHTHOUSE_ENV", "ATTEMPT_ENV"]
 
 #: the replica group a worker belongs to (0..N-1), how many the launcher runs, and how many
 #: times this group was restarted
@@ -57,6 +58,8 @@ ATTEMPT_ENV = "DISTRUN_FT_ATTEMPT"
 BARRIER_ENV = "DISTRUN_FT_START_BARRIER"
 #: torchft's own variable: where the Manager of a group's rank 0 finds the lighthouse
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: the address this host's groups announce to the lighthouse and their peers
+ADDRESS_ENV = "DISTRUN_FT_ADDRESS"
 POLL = 0.05
 
 
@@ -119,7 +122,7 @@ def _group_config(config: Any, g: int) -> Any:
 
 def _start_group(group: _Group, config: Any, command: list[str], environ: dict[str, str],
                  nproc: int, lighthouse: str, groups: int, run_id: str,
-                 barrier: str = "") -> None:
+                 barrier: str = "", address: str = LOOPBACK) -> None:
     store = listen_socket(LOOPBACK, 0)
     port = store.getsockname()[1]
     cfg = _group_config(config, group.index).to_json()
@@ -135,8 +138,9 @@ def _start_group(group: _Group, config: Any, command: list[str], environ: dict[s
                                     restart_count=group.attempt,
                                     max_restarts=int(config.ft_max_restarts),
                                     environ=environ))
-            env.update(server_env(LOOPBACK, environ))
+            env.update(server_env(address, environ))
             env.update({REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups),
+                        ADDRESS_ENV: address,
                         ATTEMPT_ENV: str(group.attempt), LIGHTHOUSE_ENV: lighthouse,
                         LAUNCHER_PID_ENV: str(os.getpid())})
             if barrier:
@@ -173,9 +177,13 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     warn_oversubscribed(nproc * n)
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"
     lighthouse_proc: subprocess.Popen | None = None
+    address = LOOPBACK  # one host: everything on loopback
     if config.ft_lighthouse:
         host, port = lighthouse_hostport(config.ft_lighthouse)
         lighthouse = f"http://{host}:{port}"
+        # groups on other hosts: this host's address on the route to the lighthouse (or
+        # --local-addr)
+        address = bind_address(2, host, config.local_addr)
     else:
         lighthouse_proc, lighthouse = _start_lighthouse(config, n)
     groups = [_Group(g) for g in range(n)]
@@ -185,9 +193,9 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     try:
         for group in groups:
             _start_group(group, config, command, environ, nproc, lighthouse, n, run_id,
-                         barrier=f"{barrier}:{n}")
+                         barrier=f"{barrier}:{n}", address=address)
         return _supervise(config, groups, command, environ, nproc, lighthouse, run_id, stop,
-                          lighthouse_proc, f"{barrier}:{n}")
+                          lighthouse_proc, f"{barrier}:{n}", address)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -224,7 +232,7 @@ def _stop_unjoined(groups: list[_Group], folder: str) -> None:
 
 def _supervise(config: Any, groups: list[_Group], command: list[str], environ: dict[str, str],
                nproc: int, lighthouse: str, run_id: str, stop: _Stop,
-               lighthouse_proc: subprocess.Popen | None, barrier: str) -> int:
+               lighthouse_proc: subprocess.Popen | None, barrier: str, address: str) -> int:
     budget = int(config.ft_max_restarts)
     stopping_since: float | None = None
     while True:
@@ -268,7 +276,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                  f"restarting it (restart {group.attempt} of {budget}); the other groups keep "
                  "training and it heals from one of them")
             _start_group(group, config, command, environ, nproc, lighthouse, len(groups),
-                         run_id, barrier=barrier)
+                         run_id, barrier=barrier, address=address)
         if any(g.done for g in groups):
             _stop_unjoined(groups, barrier.rpartition(":")[0])
         if all(g.done or g.out_of_restarts for g in groups):

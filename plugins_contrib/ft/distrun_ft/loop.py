@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from distrun.plugin import LOOPBACK, DistrunError, StashKey, UsageError, first_line
-from distrun_ft.launcher import ATTEMPT_ENV, BARRIER_ENV, GROUPS_ENV, REPLICA_ENV
+from distrun_ft.launcher import ADDRESS_ENV, ATTEMPT_ENV, BARRIER_ENV, GROUPS_ENV, REPLICA_ENV
 from distrun_ft.settings import timeouts
 
 __all__ = ["FT", "FtState", "fit_ft", "is_saver", "share"]
@@ -99,6 +99,7 @@ def _unflatten(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
 
 def _make_manager(run: Any, replica: int) -> Any:
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
 
     t = timeouts(run.config)
     model, optimizer = run.unwrapped_model(), run.optimizer
@@ -112,14 +113,20 @@ def _make_manager(run: Any, replica: int) -> Any:
         optimizer.load_state_dict(state["optimizer"])
         run.progress.load_state_dict(state["progress"])
 
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=t.ft))
     return Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=t.ft)),
+        pg=pg,
+        # the healing state goes over the groups' own process group: no HTTP server of
+        # torchft's (which would listen on every interface)
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=t.ft),
+                                         device=torch.device("cpu")),
         load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=int(run.config.ft_min_replicas),
         use_async_quorum=False,  # heal before the forward pass, then train this step
         timeout=timedelta(seconds=t.ft), quorum_timeout=timedelta(seconds=t.quorum),
         connect_timeout=timedelta(seconds=t.connect),
-        replica_id=f"distrun_replica{replica}", hostname=LOOPBACK,
+        replica_id=f"distrun_replica{replica}",
+        hostname=os.environ.get(ADDRESS_ENV, LOOPBACK),
         init_sync=False,  # every group seeds its model the same (--seed)
     )
 

@@ -38,3 +38,30 @@ def _cmdline(pid: int) -> str:
             return fh.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+@pytest.mark.slow
+def test_a_running_lighthouse_is_used(launch, ft, tmp_path):
+    import subprocess
+    import sys
+
+    from distrun.plugin import die_with_parent
+
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "distrun_ft.lighthouse", "127.0.0.1:0", "1", "1000", "1000"],
+        stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
+    try:
+        address = lighthouse.stdout.readline().strip()
+        run = launch("--ft", "--replica-groups", "2", "--nproc-per-node", "1", "--strategy",
+                     "ddp", "--batch-size", "16", "--max-steps", "6", "--timeout", "60",
+                     "--ft-heartbeat", "1", "--ft-lighthouse", address, "ft_task:Task")
+        assert run.wait(timeout=180) == 0, run.output()[-3000:]
+        rows = ft.rows(tmp_path)
+        assert sorted(r["step"] for r in rows) == sorted(list(range(1, 7)) * 2)
+        assert {r["participants"] for r in rows} == {2}
+        assert not [p for p in run.descendants if "distrun_ft.lighthouse" in _cmdline(p)]
+        assert lighthouse.poll() is None  # not the launcher's to stop
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait()
+        lighthouse.stdout.close()
