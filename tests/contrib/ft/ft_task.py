@@ -9,6 +9,10 @@ With ``FT_AWAIT_REPLACEMENT=1`` a survivor training alone after the hold waits f
 victim's replacement to start, then goes on slowly (0.25 s a step) while it is still alone, so
 the replacement rejoins before the run ends.
 
+``FT_KILL_STEP=S`` with ``FT_KILL_VICTIM=G``: the victim (a group under --ft, else a rank)
+SIGKILLs itself at step S of its first life, after writing the time to ``killed-at``
+(benchmarks/fault_tolerance.py).
+
 ``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts).
 
 The hold hook (``FT_HOLD_STEP=S``, ``FT_HOLD_VICTIM=G``), in a group's first life only: at
@@ -65,6 +69,17 @@ def _where() -> tuple[str, int, int]:
             int(os.environ.get("RANK", "0")))
 
 
+def _is_victim() -> bool:
+    """``FT_KILL_VICTIM`` names a replica group (under --ft) or a rank (otherwise), in the
+    first life of the run only."""
+    victim = int(os.environ["FT_KILL_VICTIM"])
+    if "DISTRUN_FT_REPLICA" in os.environ:
+        return os.environ.get("DISTRUN_FT_ATTEMPT") == "0" and \
+            int(os.environ["DISTRUN_FT_REPLICA"]) == victim
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
+        int(os.environ.get("RANK", "0")) == victim
+
+
 def _touch(path: str) -> None:
     with open(path + ".tmp", "w") as fh:
         fh.write(str(os.getpid()))
@@ -75,6 +90,12 @@ def _touch(path: str) -> None:
 def distrun_training_step(run, batch):
     if os.environ.get("FT_STEP_SLEEP"):
         time.sleep(float(os.environ["FT_STEP_SLEEP"]))
+    kill = os.environ.get("FT_KILL_STEP")  # benchmarks: the victim dies by itself
+    if kill and run.progress.step + 1 == int(kill) and _is_victim():
+        where, _, _ = _where()
+        with open(os.path.join(where, "killed-at"), "w") as fh:
+            fh.write(repr(time.time()))
+        os.kill(os.getpid(), 9)
     hold = os.environ.get("FT_HOLD_STEP")
     first_life = os.environ.get("DISTRUN_FT_ATTEMPT", "0") == "0"
     if hold and first_life and run.progress.step + 1 == int(hold):
@@ -116,11 +137,12 @@ def distrun_on_step_end(run, step, metrics):
         h.remove()
     run.stash[_HANDLES] = []
     where, replica, rank = _where()
-    _pending["participants"] = int(metrics["ft_participants"])
+    _pending["participants"] = int(metrics.get("ft_participants", 1))
     row = {"step": step, "ids": _pending.get("ids", []), "replica": replica,
-           "participants": int(metrics["ft_participants"]),
-           "quorum": int(metrics["ft_quorum_id"]), "attempt": int(os.environ.get(
-               "DISTRUN_FT_ATTEMPT", "0"))}
+           "participants": int(metrics.get("ft_participants", 1)),
+           "quorum": int(metrics.get("ft_quorum_id", -1)), "attempt": int(os.environ.get(
+               "DISTRUN_FT_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+           "t": time.time(), "loss": float(metrics["loss"])}
     with open(os.path.join(where, f"replica{replica}-rank{rank}.jsonl"), "a") as fh:
         fh.write(json.dumps(row) + "\n")
 
