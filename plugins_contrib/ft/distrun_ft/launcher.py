@@ -189,7 +189,12 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     groups = [_Group(g) for g in range(n)]
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    barrier = tempfile.mkdtemp(prefix="distrun-ft-")
+    # the groups' meeting folder: in the run folder when there is one, so a launcher killed
+    # with -9 leaves it there rather than in /tmp
+    if config.run_dir:
+        os.makedirs(config.run_dir, exist_ok=True)
+    barrier = tempfile.mkdtemp(prefix=".ft-meet-" if config.run_dir else "distrun-ft-",
+                               dir=config.run_dir or None)
     try:
         for group in groups:
             _start_group(group, config, command, environ, nproc, lighthouse, n, run_id,

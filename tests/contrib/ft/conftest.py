@@ -67,6 +67,12 @@ class Launch:
         return Path(self.out.name).read_text()
 
     def stop(self) -> None:
+        if self.proc.poll() is None:  # a stop as a user's: the launcher cleans up after itself
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc.poll() is None:
             for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
                 try:
