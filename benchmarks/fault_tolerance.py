@@ -1,0 +1,163 @@
+"""Fault tolerance side by side: kill one of 3 replicas, restart everyone or keep going.
+
+    python benchmarks/fault_tolerance.py            # 3 trials of each side
+    python benchmarks/fault_tolerance.py --trials 10
+
+Both sides train the tests' task (tests/contrib/ft/ft_task.py: a small MLP, 96 samples,
+global batch 48) for STEPS steps on 3 CPU processes with gloo; in the first life the victim
+SIGKILLs itself at step KILL (after writing the time):
+
+- ``restart``: ``distrun run --nproc-per-node 3 --strategy ddp --max-restarts 1`` with a
+  checkpoint every CKPT steps (distrun-elastic + distrun-safetensors): every rank restarts and
+  resumes from the newest checkpoint (torchrun's recovery, as distrun does it);
+- ``ft``: ``distrun run --ft --replica-groups 3 --nproc-per-node 1 --strategy ddp`` with
+  ``--ft-heartbeat HEARTBEAT``: the two other groups keep training, the victim's group restarts
+  and heals from a live peer.
+
+Printed per side (medians over the trials, each trial a fresh run folder): the steps lost
+(committed steps trained again, summed over ranks), the survivors' stall (the longest gap
+between two commits of a rank that did not die, around the kill, less the median step time),
+the replacement's time (kill -> its first commit), the final loss (MSE of rank 0's final
+weights over the whole dataset) against an uninterrupted run of the same side, the success rate, and the steady state (steps/s without a
+failure) of ``--ft`` against plain ddp on 3 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK_DIR = ROOT / "tests" / "contrib" / "ft"
+STEPS, KILL, CKPT, BATCH, HEARTBEAT = 600, 30, 10, 48, 1.0
+COMMON = ["--batch-size", str(BATCH), "--max-epochs", "1000", "--max-steps", str(STEPS),
+          "--seed", "3", "--timeout", "60", "--log-every-n-steps", "1", "--strategy", "ddp"]
+SIDES = {
+    "restart": ["--nproc-per-node", "3", "--max-restarts", "1", "--ckpt-every-n-steps",
+                str(CKPT)],
+    "ft": ["--ft", "--replica-groups", "3", "--nproc-per-node", "1", "--ft-heartbeat",
+           str(HEARTBEAT)],
+}
+PLAIN = ["--nproc-per-node", "3"]
+
+
+def _run(args: list[str], folder: Path, kill: bool) -> tuple[int, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTRUN_FT_", "TORCHFT_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(TASK_DIR), DISTRUN_PLUGINS="ft_task",
+               FT_RECORD=str(folder), FT_STEP_SLEEP="0.02")
+    if kill:
+        env.update(FT_KILL_STEP=str(KILL), FT_KILL_VICTIM="1")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "distrun", "run", *COMMON, *args,
+                           "--run-dir", str(folder / "run"), "ft_task:Task"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:], file=sys.stderr)
+    return proc.returncode, time.monotonic() - started
+
+
+def _rows(folder: Path) -> dict[tuple[int, int], list[dict]]:
+    out: dict[tuple[int, int], list[dict]] = {}
+    for path in sorted(folder.glob("replica*-rank*.jsonl")):
+        replica = int(path.name.split("-")[0][len("replica"):])
+        rank = int(path.stem.rsplit("rank", 1)[1])
+        out[(replica, rank)] = [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def _measure(folder: Path, victim: tuple[int, int]) -> dict[str, float]:
+    rows = _rows(folder)
+    killed = float((folder / "killed-at").read_text())
+    lost = 0
+    for stream in rows.values():
+        seen: set[int] = set()
+        for row in stream:
+            if row["step"] in seen:
+                lost += 1  # this step was committed before, and trained again
+            seen.add(row["step"])
+    steps = [b["t"] - a["t"] for s in rows.values() for a, b in zip(s, s[1:])
+             if b["t"] < killed - 1 or a["t"] > killed + 30]
+    step_time = statistics.median(steps) if steps else 0.0
+    survivors = [k for k in rows if k[0] != victim[0] and k != victim] if victim[0] else \
+        [k for k in rows if k != victim]
+    stalls = []
+    for key in survivors:
+        times = [r["t"] for r in rows[key]]
+        before = max((t for t in times if t <= killed), default=killed)
+        after = min((t for t in times if t > killed), default=float("nan"))
+        stalls.append(after - before - step_time)
+    back = min((r["t"] for r in rows[victim] if r["t"] > killed), default=float("nan"))
+    return {"lost": lost, "stall": max(stalls), "replacement": back - killed,
+            "loss": _final_loss(folder)}
+
+
+def _final_loss(folder: Path) -> float:
+    """The MSE over the whole dataset of rank 0's final weights (replica 0 under --ft)."""
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(TASK_DIR))
+    import ft_task
+
+    model = ft_task.Task().configure_model()
+    model.load_state_dict(load_file(folder / "weights-replica0-rank0.safetensors"))
+    data = ft_task.Data()
+    with torch.no_grad():
+        xs = torch.stack([data[i][1] for i in range(len(data))])
+        ys = torch.stack([data[i][2] for i in range(len(data))])
+        return float(torch.nn.functional.mse_loss(model(xs), ys))
+
+
+def _steady(args: list[str], trials: int) -> float:
+    rates = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
+            code, _ = _run(args, Path(tmp), kill=False)
+            if code == 0:
+                times = [r["t"] for r in _rows(Path(tmp))[(0, 0)]]
+                rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return statistics.median(rates) if rates else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3)
+    trials = parser.parse_args().trials
+    baseline = {}
+    for side, args in SIDES.items():
+        with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
+            code, _ = _run(args, Path(tmp), kill=False)
+            baseline[side] = _final_loss(Path(tmp)) if code == 0 else float("nan")
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    for _ in range(trials):
+        for side, args in SIDES.items():  # alternate the sides trial by trial
+            with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
+                code, _ = _run(args, Path(tmp), kill=True)
+                if code == 0:
+                    victim = (1, 0) if side == "ft" else (0, 1)
+                    results[side].append(_measure(Path(tmp), victim))
+    print(f"kill 1 of 3 replicas at step {KILL} of {STEPS} ({trials} trials a side; "
+          f"--ft-heartbeat {HEARTBEAT:g}, restart checkpoints every {CKPT} steps)")
+    print(f"{'side':<8} {'ok':>5} {'steps lost':>10} {'stall s':>8} {'replacement s':>13} "
+          f"{'final loss':>10} {'uninterrupted':>13}")
+    for side, got in results.items():
+        def med(key: str, got: list[dict[str, float]] = got) -> float:
+            return statistics.median(r[key] for r in got) if got else float("nan")
+
+        print(f"{side:<8} {len(got):>2}/{trials:<2} {med('lost'):>10.0f} {med('stall'):>8.2f} "
+              f"{med('replacement'):>13.2f} {med('loss'):>10.4f} {baseline[side]:>13.4f}")
+    ft_rate, plain_rate = _steady(SIDES["ft"], 1), _steady(PLAIN, 1)
+    print(f"steady state: --ft {ft_rate:.1f} steps/s, plain ddp {plain_rate:.1f} steps/s "
+          f"(ratio {ft_rate / plain_rate:.2f}; each step sleeps 0.02 s in the task)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""``distrun run --ft``: a lighthouse, N replica groups of K ranks, a dead group restarted alone.
+
+Each replica group is a small torchrun world of its own (its ranks, its rendezvous store on the
+run's address, its run folder ``RUN_DIR/replica<G>`` for the logs and ``metrics.csv``; the
+checkpoint folder stays the run's). The groups meet only through torchft: the lighthouse this
+launcher starts (or ``--ft-lighthouse``), and the cross-group process group each rank's
+Manager forms at every quorum. When a rank dies the launcher stops the rest of its group at
+once (so the group's heartbeat stops and the lighthouse drops it after ``--ft-heartbeat``
+seconds) and starts the group again, up to ``--ft-max-restarts`` times; the other groups are
+never stopped. The new group heals from a live peer (see :mod:`distrun_ft.loop`).
+
+The lighthouse is the single point of failure of a run: when the one this launcher started
+exits, no group can form a quorum again, so the launcher says so in one line, stops every
+group and exits with :data:`~distrun.plugin.EXIT_REQUEUE` (run again with ``--resume auto``:
+the run goes on from its newest durable checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from distrun.plugin import (
+    CONFIG_ENV,
+    EXIT_REQUEUE,
+    LAUNCHER_PID_ENV,
+    LOOPBACK,
+    STOP_GRACE,
+    STORE_FD_ENV,
+    UsageError,
+    bind_address,
+    die_with_parent,
+    exit_code,
+    listen_socket,
+    resolve_nproc,
+    server_env,
+    torchrun_env,
+    warn_oversubscribed,
+    with_values,
+)
+from distrun_ft.options import FtOptions
+from distrun_ft.settings import lighthouse_hostport, timeouts
+
+__all__ = ["launch_ft", "ADDRESS_ENV", "BARRIER_ENV", "REPLICA_ENV", "GROUPS_ENV", "LIGHTHOUSE_ENV", "ATTEMPT_ENV"]
+
+#: the replica group a worker belongs to (0..N-1), how many the launcher runs, and how many
+#: times this group was restarted
+REPLICA_ENV = "DISTRUN_FT_REPLICA"
+GROUPS_ENV = "DISTRUN_FT_GROUPS"
+ATTEMPT_ENV = "DISTRUN_FT_ATTEMPT"
+#: a folder where the first groups meet before their first quorum (see distrun_ft.loop)
+BARRIER_ENV = "DISTRUN_FT_START_BARRIER"
+#: torchft's own variable: where the Manager of a group's rank 0 finds the lighthouse
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: the address this host's groups announce to the lighthouse and their peers
+ADDRESS_ENV = "DISTRUN_FT_ADDRESS"
+POLL = 0.05
+
+
+@dataclass
+class _Group:
+    index: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    attempt: int = 0
+    done: bool = False
+    code: int = 0  # the exit code of its last failure (0: none)
+    out_of_restarts: bool = False
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def failed_rank(self) -> tuple[int, int] | None:
+        for rank, p in enumerate(self.procs):
+            if p.poll() not in (None, 0):
+                return rank, int(p.returncode)
+        return None
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def reap(self) -> None:
+        for p in self.procs:
+            p.wait()
+
+
+def _start_lighthouse(config: Any, groups: int) -> tuple[subprocess.Popen, str]:
+    t = timeouts(config)
+    min_replicas = int(FtOptions.of(config).ft_min_replicas)
+    cmd = [sys.executable, "-u", "-m", "distrun_ft.lighthouse", f"{LOOPBACK}:0",
+           str(min_replicas), str(int(t.heartbeat * 1000)), str(int(t.heartbeat * 1000))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                            preexec_fn=die_with_parent())
+    line = proc.stdout.readline().strip() if proc.stdout else ""  # its address, once bound
+    if not line:
+        proc.wait()
+        raise UsageError(f"the torchft lighthouse did not start (exit {proc.returncode}); "
+                         "check the torchft install: pip check")
+    return proc, line
+
+
+def _group_config(config: Any, g: int) -> Any:
+    if not config.run_dir:
+        return config
+    values: dict[str, Any] = {"run_dir": os.path.join(config.run_dir, f"replica{g}")}
+    if config.get("ckpt_dir", None) is not None:
+        # one checkpoint folder for the run: any group may write it, every group reads it
+        values["ckpt_dir"] = config.ckpt_dir or os.path.join(config.run_dir, "checkpoints")
+    return with_values(config, **values)
+
+
+def _start_group(group: _Group, config: Any, command: list[str], environ: dict[str, str],
+                 nproc: int, lighthouse: str, groups: int, run_id: str,
+                 barrier: str = "", address: str = LOOPBACK) -> None:
+    store = listen_socket(LOOPBACK, 0)
+    port = store.getsockname()[1]
+    cfg = _group_config(config, group.index).to_json()
+    group.procs = []
+    try:
+        for rank in range(nproc):
+            env = dict(environ)
+            env[CONFIG_ENV] = cfg
+            env.update(torchrun_env(rank=rank, local_rank=rank, world_size=nproc,
+                                    local_world_size=nproc, node_rank=0, nnodes=1,
+                                    master_addr=LOOPBACK, master_port=port,
+                                    run_id=f"{run_id}-replica{group.index}",
+                                    restart_count=group.attempt,
+                                    max_restarts=int(FtOptions.of(config).ft_max_restarts),
+                                    environ=environ))
+            env.update(server_env(address, environ))
+            env.update({REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups),
+                        ADDRESS_ENV: address,
+                        ATTEMPT_ENV: str(group.attempt), LIGHTHOUSE_ENV: lighthouse,
+                        LAUNCHER_PID_ENV: str(os.getpid())})
+            if barrier:
+                env[BARRIER_ENV] = barrier
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+            fds: tuple[int, ...] = ()
+            if rank == 0:
+                env[STORE_FD_ENV] = str(store.fileno())
+                fds = (store.fileno(),)
+            group.procs.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                                pass_fds=fds))
+    finally:
+        store.close()  # rank 0 holds it now
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+
+def _say(line: str) -> None:
+    print(f"distrun: {line}", file=sys.stderr, flush=True)
+
+
+def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
+    """Run the replica groups until they finish; the run's exit code."""
+    nproc = resolve_nproc(config.nproc_per_node)
+    n = int(FtOptions.of(config).replica_groups)
+    warn_oversubscribed(nproc * n)
+    run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"
+    lighthouse_proc: subprocess.Popen | None = None
+    address = LOOPBACK  # one host: everything on loopback
+    if FtOptions.of(config).ft_lighthouse:
+        host, port = lighthouse_hostport(FtOptions.of(config).ft_lighthouse)
+        lighthouse = f"http://{host}:{port}"
+        # groups on other hosts: this host's address on the route to the lighthouse (or
+        # --local-addr)
+        address = bind_address(2, host, config.local_addr)
+    else:
+        lighthouse_proc, lighthouse = _start_lighthouse(config, n)
+    groups = [_Group(g) for g in range(n)]
+    stop = _Stop()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # the groups' meeting folder: in the run folder when there is one, so a launcher killed
+    # with -9 leaves it there rather than in /tmp
+    if config.run_dir:
+        os.makedirs(config.run_dir, exist_ok=True)
+    barrier = tempfile.mkdtemp(prefix=".ft-meet-" if config.run_dir else "distrun-ft-",
+                               dir=config.run_dir or None)
+    try:
+        for group in groups:
+            _start_group(group, config, command, environ, nproc, lighthouse, n, run_id,
+                         barrier=f"{barrier}:{n}", address=address)
+        return _supervise(config, groups, command, environ, nproc, lighthouse, run_id, stop,
+                          lighthouse_proc, f"{barrier}:{n}", address)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for group in groups:
+            group.kill()
+        for group in groups:
+            group.reap()
+        if lighthouse_proc is not None:
+            if lighthouse_proc.poll() is None:
+                lighthouse_proc.terminate()
+                try:
+                    lighthouse_proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    lighthouse_proc.kill()
+                    lighthouse_proc.wait()
+            if lighthouse_proc.stdout is not None:
+                lighthouse_proc.stdout.close()
+        shutil.rmtree(barrier, ignore_errors=True)
+
+
+def _stop_unjoined(groups: list[_Group], folder: str) -> None:
+    """Once a group has finished the run, a restarted group that has not joined its peers yet
+    has nobody left to heal from: it is stopped (it would only train the run again)."""
+    for group in groups:
+        if group.done or group.out_of_restarts or group.attempt == 0:
+            continue
+        if not os.path.exists(os.path.join(folder, f"joined-replica{group.index}-attempt{group.attempt}")):
+            group.kill()
+            group.reap()
+            group.done = True
+            _say(f"replica group {group.index} was still waiting to rejoin when the others "
+                 "finished the run: stopped")
+
+
+def _supervise(config: Any, groups: list[_Group], command: list[str], environ: dict[str, str],
+               nproc: int, lighthouse: str, run_id: str, stop: _Stop,
+               lighthouse_proc: subprocess.Popen | None, barrier: str, address: str) -> int:
+    budget = int(FtOptions.of(config).ft_max_restarts)
+    stopping_since: float | None = None
+    while True:
+        if stop.signum is not None:
+            if stopping_since is None:
+                stopping_since = time.monotonic()
+                for group in groups:
+                    group.kill(stop.signum)
+            if not any(g.alive() for g in groups) or \
+                    time.monotonic() - stopping_since > STOP_GRACE:
+                codes = [p.returncode for g in groups for p in g.procs if p.poll() not in (0,)]
+                return exit_code(codes[0]) if codes and codes[0] is not None else 0
+            time.sleep(POLL)
+            continue
+        if lighthouse_proc is not None and lighthouse_proc.poll() is not None:
+            _say(f"the torchft lighthouse (pid {lighthouse_proc.pid}) exited with code "
+                 f"{lighthouse_proc.returncode}: no replica group can form a quorum without it; "
+                 f"stopping every group; run again with --resume auto to go on from the newest "
+                 f"checkpoint (exit {EXIT_REQUEUE}, requeue)")
+            return EXIT_REQUEUE
+        for group in groups:
+            if group.done or group.out_of_restarts:
+                continue
+            failed = group.failed_rank()
+            if failed is None:
+                if all(p.poll() == 0 for p in group.procs):
+                    group.done = True
+                continue
+            rank, code = failed
+            group.kill()  # the rest of the group at once: its heartbeat stops with it
+            group.reap()
+            group.code = exit_code(code)
+            if group.attempt >= budget or any(g.done for g in groups):
+                group.out_of_restarts = True
+                _say(f"replica group {group.index} lost (rank {rank} exited with code {code}); "
+                     f"no restart left (--ft-max-restarts {budget}): the other groups go on "
+                     "without it")
+                continue
+            group.attempt += 1
+            _say(f"replica group {group.index} lost (rank {rank} exited with code {code}): "
+                 f"restarting it (restart {group.attempt} of {budget}); the other groups keep "
+                 "training and it heals from one of them")
+            _start_group(group, config, command, environ, nproc, lighthouse, len(groups),
+                         run_id, barrier=barrier, address=address)
+        if any(g.done for g in groups):
+            _stop_unjoined(groups, barrier.rpartition(":")[0])
+        if all(g.done or g.out_of_restarts for g in groups):
+            if any(g.done for g in groups):
+                return 0
+            return next(g.code for g in groups if g.out_of_restarts)
+        time.sleep(POLL)

@@ -1,0 +1,262 @@
+"""The workers' loop under ``--ft``: one quorum per step, the global batch split by quorum.
+
+Every step: torchft's Manager forms the quorum (synchronously, so a group that must heal has
+loaded a live peer's state before its forward pass), the fixed global batch (``--batch-size``
+samples, in the order of ``(seed, epoch)``) is split among the live groups by replica rank
+and then among a group's ranks, the group's strategy (ddp) averages the gradients inside the
+group, the Manager averages them across the groups, and the optimizer steps only when every
+participant votes to commit. A step that does not commit (a peer died in it) is tried again
+with the next quorum, on the same samples: each sample of the data order is consumed by
+exactly one committed step.
+
+The loss of each rank is scaled so that the committed gradient is the mean over the whole
+global batch whatever the number of live groups: the effective batch and the learning rate
+do not change when a group drops (each live group takes a larger share of the same batch).
+
+State a healing group takes from its peer: the model's and the optimizer's state dicts, the
+run's progress (step, epoch, samples) and torchft's own step; the data cursor is the committed
+step itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrun.plugin import LOOPBACK, DistrunError, StashKey, UsageError, first_line
+from distrun_ft.launcher import ADDRESS_ENV, ATTEMPT_ENV, BARRIER_ENV, GROUPS_ENV, REPLICA_ENV
+from distrun_ft.options import FtOptions
+from distrun_ft.settings import timeouts
+
+__all__ = ["FT", "FtState", "fit_ft", "is_saver", "share"]
+
+
+@dataclass
+class FtState:
+    """What the loop knows of the current step's quorum (``run.stash[FT]``)."""
+
+    manager: Any
+    replica: int
+    replica_rank: int = 0
+    participants: int = 1
+    quorum_id: int = -1
+
+
+FT: StashKey[FtState] = StashKey("ft.state")
+
+
+def share(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``total`` items split into ``parts`` near-equal
+    contiguous parts (the first ``total % parts`` get one more)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def is_saver(run: Any) -> bool:
+    """True in the group that writes durable checkpoints: the lowest live replica rank."""
+    state = run.stash.get(FT)
+    return state is None or state.replica_rank == 0
+
+
+def _dataset(run: Any) -> Any:
+    loader = run.train_loader
+    data = getattr(loader, "dataset", None)
+    if data is None or isinstance(data, torch.utils.data.IterableDataset) or \
+            not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise UsageError("--ft needs train_data() to return a map-style Dataset (with "
+                         "__len__ and __getitem__): the live groups split each global batch "
+                         "by index")
+    return data
+
+
+def _order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
+
+
+def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in params])
+
+
+def _unflatten(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    at = 0
+    for p in params:
+        n = p.numel()
+        piece = flat[at:at + n].view_as(p)
+        if p.grad is None:
+            p.grad = piece.clone()
+        else:
+            p.grad.copy_(piece)
+        at += n
+
+
+def _make_manager(run: Any, replica: int) -> Any:
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    t = timeouts(run.config)
+    model, optimizer = run.unwrapped_model(), run.optimizer
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "progress": run.progress.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        run.progress.load_state_dict(state["progress"])
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=t.ft))
+    return Manager(
+        pg=pg,
+        # the healing state goes over the groups' own process group: no HTTP server of
+        # torchft's (which would listen on every interface)
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=t.ft),
+                                         device=torch.device("cpu")),
+        load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=int(FtOptions.of(run.config).ft_min_replicas),
+        use_async_quorum=False,  # heal before the forward pass, then train this step
+        timeout=timedelta(seconds=t.ft), quorum_timeout=timedelta(seconds=t.quorum),
+        connect_timeout=timedelta(seconds=t.connect),
+        replica_id=f"distrun_replica{replica}",
+        hostname=os.environ.get(ADDRESS_ENV, LOOPBACK),
+        init_sync=False,  # every group seeds its model the same (--seed)
+    )
+
+
+def _meet(run: Any, replica: int, timeout: float) -> None:
+    """The groups the launcher started together wait for each other's Manager (heartbeating)
+    before their first quorum, so the first quorum holds them all (a restarted group finds
+    everyone there already)."""
+    spec = os.environ.get(BARRIER_ENV, "")
+    if not spec:
+        return
+    folder, _, count = spec.rpartition(":")
+    if run.strategy.rank == 0:
+        open(os.path.join(folder, f"replica{replica}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while len([f for f in os.listdir(folder) if f.startswith("replica")]) < int(count):
+        if time.monotonic() > deadline:
+            raise DistrunError(f"the replica groups did not all start within {timeout:g}s "
+                               f"(--timeout); not all of the {count} did")
+        time.sleep(0.05)
+
+
+def _mark(name: str) -> None:
+    """A file in the launcher's meeting folder (the launcher reads it)."""
+    spec = os.environ.get(BARRIER_ENV, "")
+    if spec:
+        open(os.path.join(spec.rpartition(":")[0], name), "w").close()
+
+
+def fit_ft(run: Any) -> Any:
+    """The ``distrun_run_fit`` of an ``--ft`` worker; returns ``run.progress``."""
+    cfg = run.config
+    data = _dataset(run)
+    collate = getattr(run.task, "collate_fn", None) or torch.utils.data.default_collate
+    batch = int(cfg.batch_size)
+    per_epoch = len(data) // batch
+    if per_epoch == 0:
+        raise UsageError(f"the dataset has {len(data)} samples, fewer than --batch-size {batch}")
+    total = int(cfg.max_epochs) * per_epoch
+    if int(cfg.max_steps) > 0:
+        total = min(total, int(cfg.max_steps))
+    replica = int(os.environ.get(REPLICA_ENV, "0"))
+    inner_rank, inner_world = run.strategy.dp_rank, run.strategy.dp_world_size
+    own_group = not dist.is_initialized()
+    if own_group:
+        # A one-rank group (the strategy made no process group): the Manager still needs the
+        # group's store, which rank 0 serves on the launcher's socket once a group forms.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.timeout)))
+    if not cfg.debug:
+        # torchft logs each peer failure with a traceback; the loop says it in one line
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    manager = _make_manager(run, replica)
+    state = run.stash[FT] = FtState(manager, replica)
+    _meet(run, replica, timeouts(cfg).quorum)
+    if run.progress.step:
+        manager.load_state_dict({"step": run.progress.step, "batches_committed": 0})
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    orders: dict[int, torch.Tensor] = {}
+    # A restarted group waits for a live peer to heal from: alone, it would train the run
+    # again from its start (or its newest checkpoint) while the others are ahead or done.
+    replacement = int(os.environ.get(ATTEMPT_ENV, "0")) > 0 and \
+        int(os.environ.get(GROUPS_ENV, "1")) > 1
+    try:
+        while manager.current_step() < total and not run.done:
+            manager.start_quorum()
+            state.replica_rank = manager.participating_rank() or 0
+            state.participants = max(1, manager.num_participants())
+            state.quorum_id = int(getattr(manager, "_quorum_id", -1))
+            if replacement:
+                if state.participants == 1:
+                    time.sleep(0.05)
+                    continue
+                replacement = False
+                _mark(f"joined-replica{replica}-attempt{os.environ.get(ATTEMPT_ENV)}")
+            step = manager.current_step()  # after a heal: the peers' step
+            epoch, within = divmod(step, per_epoch)
+            if epoch not in orders:
+                orders = {epoch: _order(len(data), int(cfg.seed), epoch)}
+            ids = orders[epoch][within * batch:(within + 1) * batch]
+            lo, hi = share(batch, state.participants, state.replica_rank)
+            a, b = share(hi - lo, inner_world, inner_rank)
+            mine = ids[lo + a:lo + b].tolist()
+            run.progress.epoch = epoch
+            run.optimizer.zero_grad(set_to_none=True)
+            out = run.hook.distrun_training_step(run=run, batch=collate([data[i] for i in mine]))
+            loss = out["loss"] if isinstance(out, dict) else out
+            # the group's mean (ddp), then the groups' mean (torchft): the global batch's mean
+            scale = len(mine) * inner_world * state.participants / batch
+            run.hook.distrun_backward(run=run, loss=loss * scale)
+            flat = _flat_grads(params)
+            manager.allreduce(flat).wait()
+            _unflatten(params, flat)
+            if not manager.should_commit():
+                if run.strategy.rank == 0:
+                    why = manager.errored()
+                    run.log.warning(
+                        "replica group %d: step %d not committed (%s); trying it again with "
+                        "the next quorum", replica, step + 1,
+                        first_line(why.original_exception) if why is not None
+                        else "a peer did not commit")
+                continue  # the same samples again, with the next quorum
+            run.hook.distrun_optimizer_step(run=run)
+            run.progress.step = step + 1
+            run.progress.samples += batch
+            metrics = {"loss": loss.detach(), "ft_participants": state.participants,
+                       "ft_quorum_id": state.quorum_id, "ft_replica_rank": state.replica_rank}
+            run.hook.distrun_on_step_end(run=run, step=run.progress.step, metrics=metrics)
+            if run.progress.step % int(cfg.log_every_n_steps) == 0 or \
+                    run.progress.step == total:
+                _log(run, loss, state)
+            if (run.progress.step % per_epoch) == 0:
+                run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
+            if run.stop_signal is not None or run.stop_requested:
+                run.done = True
+    finally:
+        manager.shutdown(wait=False)
+        if own_group:
+            dist.destroy_process_group()
+    return run.progress
+
+
+def _log(run: Any, loss: torch.Tensor, state: FtState) -> None:
+    value = loss.detach().to(torch.float64).reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    metrics = {"loss": float(value), "epoch": float(run.progress.epoch),
+               "ft_participants": float(state.participants),
+               "ft_quorum_id": float(state.quorum_id),
+               "ft_replica_rank": float(state.replica_rank)}
+    run.metrics = dict(metrics)
+    run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)

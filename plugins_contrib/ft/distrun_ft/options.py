@@ -1,0 +1,30 @@
+"""distrun-ft's options, read typed with ``FtOptions.of(config)`` (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distrun.plugin import PluginOptions, option
+
+
+@dataclass(frozen=True)
+class FtOptions(PluginOptions, plugin="ft"):
+    """Fault tolerance without a restart (``FtOptions.of(config)``)."""
+
+    ft: bool = option(
+        False, "fault tolerance without a restart (torchft): replica groups keep training when "
+        "one dies; the launcher restarts it and it heals from a live peer")
+    replica_groups: int = option(
+        2, "replica groups this launcher starts under --ft, each of --nproc-per-node ranks",
+        min=1)
+    ft_lighthouse: str = option(
+        "", "a running torchft lighthouse, http://HOST:PORT (default: the launcher starts one "
+        "on the run's address)", metavar="URL")
+    ft_max_restarts: int = option(
+        3, "restarts of each replica group after it dies (its own budget; --max-restarts is "
+        "the elastic plugin's whole-job restart)", min=0)
+    ft_heartbeat: float = option(
+        2.0, "seconds without a heartbeat before a replica group is dropped from the quorum: "
+        "the survivors' stall after a group dies is at most this plus one second",
+        min=0.2, metavar="SECONDS")
+    ft_min_replicas: int = option(1, "replica groups a step needs to commit", min=1)

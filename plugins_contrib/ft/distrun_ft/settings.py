@@ -1,0 +1,94 @@
+"""What ``--ft`` refuses, and the timeout hierarchy it derives (torch-free).
+
+The hierarchy, from the shortest: the lighthouse drops a group that sent no heartbeat for
+``--ft-heartbeat`` H seconds; a cross-group collective (torchft's process group) and the
+should-commit vote give up after :func:`timeouts`' ``ft`` seconds; a quorum waits at most
+``quorum`` seconds; the collectives inside a group (``--timeout``) wait longest. A survivor
+whose peer died in a cross-group collective therefore fails that step (it is retried) well
+before its own group's timeout could end the run, and a group that died is out of the next
+quorum after H seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from distrun.plugin import UsageError, resolve_nproc
+from distrun_ft.options import FtOptions
+
+__all__ = ["Timeouts", "check_launch", "lighthouse_hostport", "timeouts", "TORCHFT_PIN"]
+
+#: what ``pip install`` fixes a missing torchft with (the pin of pyproject.toml)
+TORCHFT_PIN = "torchft-nightly==2026.10.26"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds, from the shortest: heartbeat < ft (cross-group ops) < quorum <= group."""
+
+    heartbeat: float
+    ft: float
+    quorum: float
+    group: float
+    connect: float
+
+
+def timeouts(config: Any) -> Timeouts:
+    """The hierarchy for this run, or a UsageError naming what to change."""
+    h = float(FtOptions.of(config).ft_heartbeat)
+    group = float(config.timeout)
+    ft = max(4.0 * h, 5.0)
+    quorum = max(ft + h, group / 2)
+    if not (h < ft < quorum <= group):
+        raise UsageError(
+            f"--timeout {group:g} is too short for --ft-heartbeat {h:g}: a group's collectives "
+            f"must outlast a cross-group one ({ft:g}s) and a quorum ({ft + h:g}s); use "
+            f"--timeout {2 * (ft + h):g} or more, or a shorter --ft-heartbeat")
+    return Timeouts(heartbeat=h, ft=ft, quorum=quorum, group=group, connect=min(group, 30.0))
+
+
+def lighthouse_hostport(url: str) -> tuple[str, int]:
+    """``http://HOST:PORT`` (or ``HOST:PORT``) as (host, port), or a UsageError."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if not parsed.hostname or not parsed.port:
+        raise UsageError(f"--ft-lighthouse {url!r} is not http://HOST:PORT")
+    return parsed.hostname, parsed.port
+
+
+def check_launch(config: Any) -> None:
+    """Everything ``--ft`` refuses, each in one line, before anything starts."""
+    if importlib.util.find_spec("torchft") is None:
+        raise UsageError(f"--ft needs torchft: pip install '{TORCHFT_PIN}'")
+    if int(config.get("max_restarts", 0) or 0) > 0:
+        raise UsageError("--ft restarts a dead replica group by itself: use --ft-max-restarts "
+                         "N instead of --max-restarts (which restarts the whole job)")
+    if str(config.strategy).startswith("pp") or int(config.get("pp", 0) or 0) > 1:
+        raise UsageError(f"--ft does not support pipeline parallelism (--strategy "
+                         f"{config.strategy}): use ddp inside each replica group")
+    if str(config.nnodes) not in ("1", "1:1"):
+        raise UsageError("--ft starts this host's replica groups: run one `distrun run --ft "
+                         "--ft-lighthouse URL` per host instead of --nnodes")
+    nproc = resolve_nproc(config.nproc_per_node)
+    opts = FtOptions.of(config)
+    groups = int(opts.replica_groups)
+    if int(config.batch_size) < groups * nproc:
+        raise UsageError(f"--batch-size {config.batch_size} is smaller than the "
+                         f"{groups * nproc} ranks of --replica-groups {groups} x "
+                         f"--nproc-per-node {nproc}: every rank needs a sample per step")
+    if int(opts.ft_min_replicas) > groups and not opts.ft_lighthouse:
+        raise UsageError(f"--ft-min-replicas {opts.ft_min_replicas} is more than "
+                         f"--replica-groups {groups}: no step could ever commit")
+    timeouts(config)
+    if opts.ft_lighthouse:
+        host, port = lighthouse_hostport(opts.ft_lighthouse)
+        try:
+            socket.create_connection((host, port), timeout=5.0).close()
+        except OSError as exc:
+            raise UsageError(f"cannot reach the torchft lighthouse at {opts.ft_lighthouse} "
+                             f"({exc.strerror or exc}): start one with `torchft_lighthouse "
+                             "--min_replicas 1 --bind HOST:PORT`, or leave --ft-lighthouse "
+                             "out") from None
