@@ -115,9 +115,10 @@ def _group_config(config: Any, g: int) -> Any:
     if not config.run_dir:
         return config
     values: dict[str, Any] = {"run_dir": os.path.join(config.run_dir, f"replica{g}")}
-    if config.get("ckpt_dir", None) is not None:
+    ckpt_dir = config.get("ckpt_dir")  # the checkpoint plugin's option, when it is installed
+    if ckpt_dir is not None:
         # one checkpoint folder for the run: any group may write it, every group reads it
-        values["ckpt_dir"] = config.ckpt_dir or os.path.join(config.run_dir, "checkpoints")
+        values["ckpt_dir"] = ckpt_dir or os.path.join(config.run_dir, "checkpoints")
     return with_values(config, **values)
 
 

@@ -258,5 +258,5 @@ def _log(run: Any, loss: torch.Tensor, state: FtState) -> None:
                "ft_participants": float(state.participants),
                "ft_quorum_id": float(state.quorum_id),
                "ft_replica_rank": float(state.replica_rank)}
-    run.metrics = dict(metrics)
+    run.metrics.update(metrics)
     run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)
