@@ -34,6 +34,9 @@ def distrun_register_options(register):
         "seconds without a heartbeat from another node's agent before the others re-form "
         "without it (a host that is down, frozen or cut off); --timeout still bounds a "
         "collective that is merely slow", min=1.0, metavar="SECONDS")
+    opt("warm_restart", bool, True,
+        "fork every start of a worker, restarts included, from a per-rank spare that has "
+        "imported torch already (--no-warm-restart: each start is a new interpreter)")
     opt("monitor_interval", float, 0.1, "how often the agent checks on the workers", min=0.01,
         metavar="SECONDS", aliases=("--monitor_interval",))
 
