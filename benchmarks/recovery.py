@@ -284,7 +284,7 @@ def main(argv: list[str]) -> int:
                 ok, rec, respawn, start, _ = results[kind][-1]
                 parts = (f" (detect+respawn {respawn:.2f} s, start -> step {start:.2f} s)"
                          if respawn is not None and start is not None else "")
-                print(f"  trial {i + 1}/{trials} {kind:<12}: "
+                print(f"  trial {i + 1}/{trials} {kind:<16}: "
                       f"{'ok' if ok else 'FAILED'}"
                       f"{f', recovery {rec:.2f} s' if rec is not None else ''}{parts}"
                       f" ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -308,13 +308,13 @@ def _summary(results: dict[str, list[Trial]], trials: int) -> int:
         return f"{value:.2f} s" if value is not None else "n/a"
 
     med = {}
-    print(f"medians of the successful trials: {'side':<12} {'recovery':>9} "
+    print(f"medians of the successful trials: {'side':<16} {'recovery':>9} "
           f"{'detect+respawn':>15} {'start -> step':>14}  success")
     for kind, rows in results.items():
         good = [r for r in rows if r[0]]
         med[kind] = _median([r[1] for r in good])
         rate = len(good)
-        print(f"{'':34}{kind:<12} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
+        print(f"{'':34}{kind:<16} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
               f"{show(_median([r[3] for r in good])):>14}  {rate}/{trials} "
               f"({100 * rate / trials:.0f}%)")
     for side, target in (("distrun-run", "0.50"), ("distrun-run-cold", "1.00")):

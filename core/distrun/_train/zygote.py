@@ -10,7 +10,8 @@ and runs :mod:`distrun._train.worker` as ``__main__``, exactly as ``python -m
 distrun._train.worker ARGS`` would. The zygote stays, idle, for the next request; it reports each
 child's exit status (``os.waitpid``'s, as ``Popen.returncode``) on the socket.
 
-What it preloads, and why no more: torch, torch.distributed and distrun's worker modules. Their
+What it preloads, and why no more: torch, torch.distributed, torch._dynamo (which torch's
+optimizers import) and distrun's worker modules. Their
 import runs no user code and starts no thread (checked: a fork is refused while this process has
 more than one thread, e.g. numpy's BLAS pool when ``OMP_NUM_THREADS`` is unset). The user's
 module is not preloaded: code at its top level may read the worker's own variables (``RANK``,
@@ -43,9 +44,13 @@ from distrun._launch.lifeline import LAUNCHER_PID_ENV, die_with
 
 __all__ = ["main", "os_threads"]
 
-#: imported before the first fork: what every worker imports before its first step
-PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "distrun._launch.lifeline",
-           "distrun._train.store_host", "distrun._train.trainer", "distrun._train.task")
+#: imported before the first fork: what every worker imports before its first step (torch's
+#: optimizers import torch._dynamo, and with it sympy and most of torch.distributed, when the
+#: first one is made: two thirds of a warm worker's start when it was left to the worker)
+PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo",
+           "distrun._launch.lifeline", "distrun._train.store_host", "distrun._train.trainer",
+           "distrun._train.task", "distrun._train.builtin", "distrun._train.loop", "distrun.plugin",
+           "distrun._strategies.process_group", "distrun._strategies.single")
 WORKER_MODULE = "distrun._train.worker"
 #: the largest request (the environment, mostly)
 MAX_MESSAGE = 1 << 20
