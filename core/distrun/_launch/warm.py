@@ -269,7 +269,7 @@ class WarmPool:
             return
         self._said.add(local_rank)
         detail = zygote.errors()
-        print(f"distrun: local rank {local_rank} starts cold: its warm spare {zygote.state} "
+        print(f"distrun: local rank {local_rank} starts cold: its warm spare is {zygote.state} "
               f"({zygote.why or 'no reason given'}){': ' + detail[-400:] if detail else ''}",
               file=sys.stderr, flush=True)
 

@@ -82,10 +82,28 @@ def _preload() -> str | None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a cold start reports it in the worker
             return f"importing {name} failed: {type(exc).__name__}: {exc}"
-    threads = os_threads()
-    if threads != 1:
-        return f"{threads} threads after importing torch (a fork would copy them unsafely)"
+        threads = os_threads()
+        if threads != 1:  # said at once: importing the rest would only cost the workers
+            return f"{threads} threads after importing {name}: a fork would not copy them"
+    if _cuda_driver_loaded():
+        return "the CUDA driver was initialized while importing: a forked child cannot use it"
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    """True once this process has loaded the CUDA driver (``cuInit``; a fork cannot inherit it).
+
+    Importing torch loads the CUDA runtime library but not the driver, which loads at the
+    first CUDA call; torch's own flag says whether torch made one.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        with open("/proc/self/maps") as fh:
+            return "/libcuda.so" in fh.read()
+    except OSError:
+        return False
 
 
 def _become_worker(sock: socket.socket, owned: list[int], stdio: list[int],

@@ -1,7 +1,9 @@
 """Run this node's workers under torch.distributed.elastic's agent (imports torch).
 
 This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler, worker spec,
-``LocalElasticAgent``) with three changes a subclass of the agent makes:
+``LocalElasticAgent``) with three changes a subclass of the agent makes, and warm starts
+(:mod:`distrun_elastic.warm`: every start of a worker forked from a spare per local rank that
+has imported torch, unless ``--no-warm-restart``):
 
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
@@ -67,6 +69,7 @@ from distrun.plugin import (
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
+from distrun_elastic.warm import fork_workers_warm, forking_from
 
 __all__ = ["launch_elastic"]
 
@@ -202,12 +205,10 @@ class DistrunAgent(LocalElasticAgent):
             addr, port = worker_group.master_addr, worker_group.master_port
             self._attempt_store = serve_store(listen_socket(self.bind or addr, port), addr,
                                               shared=False)
-        global _STARTING
-        _STARTING = self.warm
         try:
-            return super()._start_workers(worker_group)
+            with forking_from(self.warm):
+                return super()._start_workers(worker_group)
         finally:
-            _STARTING = None
             if self.warm is not None:
                 self.warm.renew()  # a spare that died is replaced, in the background
 
@@ -286,47 +287,6 @@ class DistrunAgent(LocalElasticAgent):
         finally:
             exits.close()
         _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
-
-
-#: the warm spares of the agent whose workers are being started (read by _WarmHandler)
-_STARTING: WarmPool | None = None
-
-
-def _fork_workers_warm() -> None:
-    """Make torch's agent start each worker through :class:`_WarmHandler`.
-
-    torch has no hook for how its agent makes a worker process: its ``SubprocessContext`` asks
-    ``get_subprocess_handler``, and the handler's ``_popen`` makes it. This process runs one
-    agent, so replacing that name here is its own affair (as :func:`_skip_join_skew`). The
-    handler forks the worker from the agent's warm spare when one is ready (with the exact
-    environment, arguments, files and working directory ``Popen`` would give it), else it
-    starts it with ``Popen``, as before.
-    """
-    from torch.distributed.elastic.multiprocessing import api
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-
-    if getattr(api.get_subprocess_handler, "distrun_warm", False):
-        return
-
-    class _WarmHandler(SubprocessHandler):
-        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
-            pool = _STARTING
-            if pool is not None:
-                stdio = (0, self._stdout.fileno() if self._stdout else 1,
-                         self._stderr.fileno() if self._stderr else 2)
-                proc = pool.spawn(self.local_rank_id, args, env, stdio)
-                if proc is not None:
-                    return proc
-            return super()._popen(args, env)
-
-    def warm_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str,
-                     stderr: str, local_rank_id: int, numa_options: Any = None) -> Any:
-        return _WarmHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout,
-                            stderr=stderr, local_rank_id=local_rank_id,
-                            numa_options=numa_options)
-
-    warm_handler.distrun_warm = True  # type: ignore[attr-defined]
-    api.get_subprocess_handler = warm_handler
 
 
 def _file_tail(path: str, nbytes: int = 8192) -> str:
@@ -483,7 +443,7 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
                          plan=plan, host_store=host_store, bind=plan.bind_address)
     _quiet_torch_logs(plan.debug)
     if plan.warm_restart and warm_command(command) is not None:
-        _fork_workers_warm()
+        fork_workers_warm()
         # started now, from this (main) thread: they import torch during the rendezvous
         agent.warm = WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
     shutdown_rdzv = True

@@ -153,3 +153,26 @@ def test_a_killed_spare_falls_back_to_a_cold_start_and_leaves_nothing(tmp_path, 
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if pid_alive(p)], "processes outlived the run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill9_of_the_agent_ends_its_spares_and_their_workers(tmp_path):
+    """The spares die with the agent, and the workers forked from them with the spares."""
+    rec = tmp_path / "rec"
+    launcher = Launcher(["--max-restarts", "1", *TRAIN, "--name", "k9", TASK],
+                        plugin_env(rec, EL_WAIT_AT="0:3"), tmp_path, "k9")
+    try:
+        launcher.wait_until(lambda: (rec / "waiting").exists(), "rank 0 waiting at step 3")
+        spares = list(_zygotes(launcher.proc.pid).values())
+        workers = [e["pid"] for e in records(rec, "events.jsonl")]
+        assert len(spares) == 2 and len(workers) == 2, (spares, workers)
+        assert all(pid_alive(p) for p in spares + workers)
+        os.kill(launcher.proc.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(pid_alive(p) for p in spares + workers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        launcher.kill_all()
+    assert not [p for p in spares + workers if pid_alive(p)], "outlived the agent by 30 s"
