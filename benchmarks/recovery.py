@@ -14,17 +14,22 @@ rank 1 SIGKILLs itself at step KILL after writing the time. Each side is allowed
 - ``torchrun-fix``: the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the setting
   distrun-elastic uses: torch's restart time when restarts work;
 - ``distrun-run``: the same plain script under ``distrun run --max-restarts 1``: distrun's
-  launcher against torchrun's on the same script (target: no slower than ``torchrun-fix``);
+  launcher against torchrun's on the same script. Its workers are forked from a warm spare per
+  local rank that has imported torch already (target: at most 0.5x ``torchrun-fix``);
+- ``distrun-run-cold``: the same with ``--no-warm-restart``: every start a new interpreter, as
+  torchrun's (target: no slower than ``torchrun-fix``);
 - ``distrun``: ``distrun run --max-restarts 1`` with distrun-elastic and distrun-safetensors
   running distrun's own loop, checkpointing every 2 steps; the restarted workers resume from the
-  latest checkpoint.
+  latest checkpoint (warm);
+- ``distrun-cold``: the same with ``--no-warm-restart``.
 
 Printed: per side, the medians over its successful trials (trials alternate side by side) of
 the recovery (death -> end of the first step after it) and its two parts: detect+respawn
 (death -> the restarted rank 0 process exists) and worker start -> first resumed step (the
 interpreter, imports, process group, model and checkpoint load, one step); the checkpoint load
-time of distrun's loop; the ratio distrun / (torchrun + load) (target <= 1; against
-torchrun-fix as well, since plain torchrun may not succeed at all) and each side's success rate.
+time of distrun's loop; the ratios of distrun-run and distrun-run-cold to each torchrun side
+(the same script), the ratio distrun / (torchrun + load) (target <= 1; against torchrun-fix as
+well, since plain torchrun may not succeed at all) and each side's success rate.
 """
 
 from __future__ import annotations
@@ -222,9 +227,10 @@ def _trial(kind: str, work: Path, index: int) -> Trial:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "--max-restarts", "1", *plain]
-    elif kind == "distrun-run":  # the same script, distrun's launcher, the user's plugins
+    elif kind.startswith("distrun-run"):  # the same script, distrun's launcher
         cmd = [sys.executable, "-m", "distrun", "run", "--max-restarts", "1",
-               "--nproc-per-node", "2", *plain]
+               "--nproc-per-node", "2", *(["--no-warm-restart"] if "cold" in kind else []),
+               *plain]
     else:
         env.update(DISTRUN_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTRUN_PLUGINS="distrun_elastic.plugin,distrun_safetensors.plugin,"
@@ -233,6 +239,7 @@ def _trial(kind: str, work: Path, index: int) -> Trial:
                "--nproc-per-node", "2", "--strategy", "benchsum", "--batch-size", "16",
                "--max-steps", str(STEPS), "--max-epochs", "10", "--ckpt-every-n-steps", "2",
                "--no-summary", "--timeout", "30", "--name", f"bench-{index}",
+               *(["--no-warm-restart"] if "cold" in kind else []),
                f"{work / 'bench_task.py'}:BenchTask"]
     try:
         proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
@@ -277,7 +284,7 @@ def main(argv: list[str]) -> int:
                 ok, rec, respawn, start, _ = results[kind][-1]
                 parts = (f" (detect+respawn {respawn:.2f} s, start -> step {start:.2f} s)"
                          if respawn is not None and start is not None else "")
-                print(f"  trial {i + 1}/{trials} {kind:<12}: "
+                print(f"  trial {i + 1}/{trials} {kind:<16}: "
                       f"{'ok' if ok else 'FAILED'}"
                       f"{f', recovery {rec:.2f} s' if rec is not None else ''}{parts}"
                       f" ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -287,7 +294,8 @@ def main(argv: list[str]) -> int:
 
 
 #: every side, in the order they run
-SIDES = ("torchrun", "torchrun-fix", "distrun-run", "distrun")
+SIDES = ("torchrun", "torchrun-fix", "distrun-run", "distrun-run-cold", "distrun",
+         "distrun-cold")
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -300,30 +308,31 @@ def _summary(results: dict[str, list[Trial]], trials: int) -> int:
         return f"{value:.2f} s" if value is not None else "n/a"
 
     med = {}
-    print(f"medians of the successful trials: {'side':<12} {'recovery':>9} "
+    print(f"medians of the successful trials: {'side':<16} {'recovery':>9} "
           f"{'detect+respawn':>15} {'start -> step':>14}  success")
     for kind, rows in results.items():
         good = [r for r in rows if r[0]]
         med[kind] = _median([r[1] for r in good])
         rate = len(good)
-        print(f"{'':34}{kind:<12} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
+        print(f"{'':34}{kind:<16} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
               f"{show(_median([r[3] for r in good])):>14}  {rate}/{trials} "
               f"({100 * rate / trials:.0f}%)")
-    if "distrun-run" in med:
+    for side, target in (("distrun-run", "0.50"), ("distrun-run-cold", "1.00")):
         for base in ("torchrun", "torchrun-fix"):
-            if med.get(base) and med["distrun-run"]:
-                print(f"ratio distrun-run / {base} (the same script): "
-                      f"{med['distrun-run'] / med[base]:.2f}  (target <= 1.00)")
-    if "distrun" not in results:
-        return 0
-    load = _median([r[4] for r in results["distrun"]]) or 0.0
-    print(f"distrun checkpoint load (median): {load:.3f} s")
-    for base in ("torchrun", "torchrun-fix"):
-        if med.get(base) and med["distrun"]:
-            ratio = med["distrun"] / (med[base] + load)
-            print(f"ratio distrun / ({base} + load): {ratio:.2f}  (target <= 1.00)")
-        elif base in med:
-            print(f"ratio distrun / ({base} + load): n/a (no successful trial on one side)")
+            if med.get(base) and med.get(side):
+                print(f"ratio {side} / {base} (the same script): "
+                      f"{med[side] / med[base]:.2f}  (target <= {target})")
+    for side in ("distrun", "distrun-cold"):
+        if side not in results:
+            continue
+        load = _median([r[4] for r in results[side]]) or 0.0
+        print(f"{side} checkpoint load (median): {load:.3f} s")
+        for base in ("torchrun", "torchrun-fix"):
+            if med.get(base) and med[side]:
+                ratio = med[side] / (med[base] + load)
+                print(f"ratio {side} / ({base} + load): {ratio:.2f}  (target <= 1.00)")
+            elif base in med:
+                print(f"ratio {side} / ({base} + load): n/a (no successful trial on one side)")
     return 0
 
 

@@ -46,6 +46,7 @@ from distrun._launch.ports import free_port
 from distrun._launch.reaper import reaped
 from distrun._launch.relay import RankOutput, Relay, new_tail, report_failure
 from distrun._launch.run_folder import render_config
+from distrun._launch.warm import WarmPool, WarmProcess, warm_command
 from distrun._loggers.plot import plot_run
 from distrun._registry.collect import requested_degrees, resolve_run_config
 from distrun._spec.backends import BackendInfo
@@ -88,7 +89,7 @@ __all__ = [
     "STOP_GRACE", "STORE_FD_ENV", "bind_address", "fresh_run_folder", "interface_addresses",
     "listen_socket", "new_run_key", "resolve_host", "resolve_nproc", "resolve_run_config",
     "server_env", "torchrun_env", "warn_oversubscribed", "free_port",
-    "host_launcher_store", "serve_store",
+    "host_launcher_store", "serve_store", "WarmPool", "WarmProcess", "warm_command",
     # worker output
     "RankOutput", "Relay", "new_tail", "report_failure",
     # processes

@@ -1,7 +1,9 @@
 """Run this node's workers under torch.distributed.elastic's agent (imports torch).
 
 This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler, worker spec,
-``LocalElasticAgent``) with three changes a subclass of the agent makes:
+``LocalElasticAgent``) with three changes a subclass of the agent makes, and warm starts
+(:mod:`distrun_elastic.warm`: every start of a worker forked from a spare per local rank that
+has imported torch, unless ``--no-warm-restart``):
 
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
@@ -54,6 +56,7 @@ from distrun.plugin import (
     DistrunError,
     ExitWatch,
     UsageError,
+    WarmPool,
     exit_code,
     interface_addresses,
     listen_socket,
@@ -61,10 +64,12 @@ from distrun.plugin import (
     resolve_host,
     serve_store,
     server_env,
+    warm_command,
 )
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
+from distrun_elastic.warm import fork_workers_warm, forking_from
 
 __all__ = ["launch_elastic"]
 
@@ -135,6 +140,8 @@ class DistrunAgent(LocalElasticAgent):
         self.cut_off_after: float | None = None
         #: set by the main thread once the cut-off signal reached it
         self.unwound = threading.Event()
+        #: the warm spares the workers are forked from (None: every start is cold)
+        self.warm: WarmPool | None = None
         self._ending = threading.Lock()
         self._rounds = 0
 
@@ -198,7 +205,12 @@ class DistrunAgent(LocalElasticAgent):
             addr, port = worker_group.master_addr, worker_group.master_port
             self._attempt_store = serve_store(listen_socket(self.bind or addr, port), addr,
                                               shared=False)
-        return super()._start_workers(worker_group)
+        try:
+            with forking_from(self.warm):
+                return super()._start_workers(worker_group)
+        finally:
+            if self.warm is not None:
+                self.warm.renew()  # a spare that died is replaced, in the background
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         if self.liveness is not None:
@@ -430,6 +442,10 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
                          start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
                          plan=plan, host_store=host_store, bind=plan.bind_address)
     _quiet_torch_logs(plan.debug)
+    if plan.warm_restart and warm_command(command) is not None:
+        fork_workers_warm()
+        # started now, from this (main) thread: they import torch during the rendezvous
+        agent.warm = WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
     shutdown_rdzv = True
 
     def woken(signum: int, frame: Any) -> None:
@@ -475,6 +491,8 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
                            f"{exc or type(exc).__name__}") from None
     finally:
         agent.stop_liveness()
+        if agent.warm is not None:
+            agent.warm.close()
         signal.signal(_WAKE, previous)
         relay.close()
         if shutdown_rdzv:

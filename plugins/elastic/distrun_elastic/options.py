@@ -37,6 +37,9 @@ class ElasticOptions(PluginOptions, plugin="elastic", launcher_only=True):
         "without it (a host that is down, frozen or cut off); --timeout still bounds a "
         "collective that is merely slow",
         min=1.0, metavar="SECONDS")
+    warm_restart: bool = option(
+        True, "fork every start of a worker, restarts included, from a per-rank spare that has "
+        "imported torch already (--no-warm-restart: each start is a new interpreter)")
     monitor_interval: float = option(
         0.1, "how often the agent checks on the workers",
         min=0.01, metavar="SECONDS", aliases=("--monitor_interval",))

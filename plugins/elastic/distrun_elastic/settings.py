@@ -78,6 +78,8 @@ class ElasticPlan:
     signals: str = ""
     #: seconds without a heartbeat after which a node counts as lost (see liveness)
     heartbeat_timeout: float = 15.0
+    #: fork the workers from a warm spare per local rank (distrun.plugin.WarmPool)
+    warm_restart: bool = True
 
     @property
     def heartbeat_interval(self) -> float:
@@ -180,6 +182,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
         heartbeat_timeout=opts.heartbeat_timeout,
+        warm_restart=opts.warm_restart,
     )
     return plan, config
 

@@ -9,6 +9,8 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
 - ``EL_CKPT_KILL="attempt:step"``: rank 0 SIGKILLs itself while committing the checkpoint of
   that step (after its files are written, at the rename that would publish it);
 - ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
+- ``EL_WAIT_AT="attempt:step"``: rank 0 writes ``waiting`` before it trains that step, then
+  waits until ``go`` exists;
 - ``EL_SIGTERM="attempt:step:rank"``: that rank sends itself SIGTERM at the end of the step;
 - ``EL_RAISE="step:rank"``: that rank raises inside the step, in every attempt;
 - ``EL_COMMIT_PAUSE="step"``: the first time rank 0 of a 2-rank world commits the checkpoint of
@@ -98,6 +100,16 @@ def _pause_at_commit(run, step: int) -> None:
     observe_durable(hold)
 
 
+def _parent() -> str:
+    """The module the worker's parent process runs (a launcher, or a warm spare)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            argv = fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return ""
+    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+
+
 @hookimpl
 def distrun_on_fit_start(run):
     pause = os.environ.get("EL_COMMIT_PAUSE", "")
@@ -108,7 +120,7 @@ def distrun_on_fit_start(run):
         "rank": run.rank, "world": run.world_size, "step": run.progress.step,
         "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler is not None else None,
         "resumed_from": run.resumed_from, "master_addr": os.environ.get("MASTER_ADDR"),
-        "generation": run.generation,
+        "generation": run.generation, "parent": _parent(),
     })
 
 
@@ -120,6 +132,12 @@ def distrun_training_step(run, batch):
         attempt, at, rank = stall.split(":")
         if attempt == _attempt() and int(at) == step and int(rank) == run.rank:
             time.sleep(3600)
+    wait_at = os.environ.get("EL_WAIT_AT", "")
+    if wait_at == f"{_attempt()}:{step}" and run.rank == 0:
+        folder = os.environ["EL_RECORD_DIR"]
+        open(os.path.join(folder, "waiting"), "w").close()
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.05)
     failure = os.environ.get("EL_RAISE", "")
     if failure and failure == f"{step}:{run.rank}":
         raise RuntimeError(f"injected failure at step {step}")
