@@ -8,7 +8,7 @@ not fit (or ``--tune-max-batch`` is reached), then a binary search between the l
 fitted and the first that did not finds the largest that fits.
 
 On CUDA with several ranks, a real out-of-memory error on one rank in the middle of a step
-leaves the others in the step's collectives: give a ``--max-memory`` below the device's
+leaves the others in the step's collectives: give a ``--tune-max-memory`` below the device's
 capacity so trials fail on the budget, not on the allocator.
 """
 
@@ -85,7 +85,7 @@ def _budget(run: Any, memory: PeakMemory) -> int:
         return parse_bytes(run.config.tune_max_memory)
     if memory.capacity is not None:
         return memory.capacity
-    raise UsageError("--tune batch-size on CPU needs --max-memory (e.g. --max-memory 4GiB): "
+    raise UsageError("--tune batch-size on CPU needs --tune-max-memory (e.g. --tune-max-memory 4GiB): "
                      "a CPU has no out-of-memory error, so a rank's peak RSS under that budget "
                      "is what fits")
 
@@ -124,7 +124,7 @@ def find_batch_size(run: Any) -> dict[str, Any]:
         _plot(result, plot)
         if fitted == 0:
             log.warning("warning: batch-size finder: not even 1 sample per rank fits in %s "
-                        "(peak %s; raise --max-memory or shrink the model). Curve: %s",
+                        "(peak %s; raise --tune-max-memory or shrink the model). Curve: %s",
                         format_bytes(budget), format_bytes(trials.done[0]["peak"]), plot)
         else:
             capped = " (the --tune-max-batch cap; more may fit)" if failed is None else ""

@@ -33,7 +33,7 @@ def distrun_register_options(register):
         "learning rate (spaced exponentially)", min=3)
     opt("tune_max_memory", str, "", "batch-size finder: the memory a rank may use, e.g. 4GiB "
         "or 512MiB (CPU: peak RSS of the process, required; CUDA: the device's peak "
-        "reserved memory, default its capacity)", aliases=("--max-memory",))
+        "reserved memory, default its capacity)")
     opt("tune_max_batch", int, 4096, "batch-size finder: the largest per-rank batch tried",
         min=1)
 
@@ -56,7 +56,7 @@ def _forward(cli: click.Group, finder: str) -> click.Command:
     helps = {"lr": "LR range test: train with the learning rate rising exponentially from "
                    "--tune-min-lr to --tune-max-lr, plot the loss and suggest a rate.",
              "batch-size": "Largest per-rank batch whose training steps fit under "
-                           "--max-memory (doubling, then binary search)."}
+                           "--tune-max-memory (doubling, then binary search)."}
 
     @click.command(finder, context_settings={"ignore_unknown_options": True,
                                              "allow_extra_args": True,

@@ -85,7 +85,7 @@ def test_batch_size_finder_on_two_ranks_under_a_memory_budget(tmp_path):
     # min_r floor((budget - B_r) / per_sample_r), give or take one sample of allocator slack.
     budget = 1024 * MIB
     result = run_cli("tune", "batch-size", "--nproc-per-node", "2", "--strategy", "ddp",
-                     "--max-memory", "1GiB", "--name", "b", "--no-progress",
+                     "--tune-max-memory", "1GiB", "--name", "b", "--no-progress",
                      f"{TASKS}:MemoryHog", cwd=tmp_path, env=_env(MEM_MIB="32", MEM_BY_RANK="1"))
     assert result.returncode == 0, result
     out = json.loads((tmp_path / "runs/b/tune/batch_size.json").read_text())
@@ -115,14 +115,14 @@ def test_batch_size_finder_on_cpu_needs_a_budget(tmp_path):
                      env=_env(MEM_MIB="1"))
     assert result.returncode == 2, result
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
-    assert errors == ["error: --tune batch-size on CPU needs --max-memory (e.g. --max-memory "
-                      "4GiB): a CPU has no out-of-memory error, so a rank's peak RSS under "
+    assert errors == ["error: --tune batch-size on CPU needs --tune-max-memory (e.g. "
+                      "--tune-max-memory 4GiB): a CPU has no out-of-memory error, so a rank's peak RSS under "
                       "that budget is what fits"], result
     assert "Traceback" not in result.stderr
 
 
 def test_a_budget_that_is_not_a_size_is_one_line(tmp_path):
-    result = run_cli("tune", "batch-size", "--max-memory", "lots", f"{TASKS}:MemoryHog",
+    result = run_cli("tune", "batch-size", "--tune-max-memory", "lots", f"{TASKS}:MemoryHog",
                      cwd=tmp_path)
     assert result.returncode == 2, result
     assert "error: --tune-max-memory 'lots' is not a size (write e.g. 4GiB, 512MiB or 2GB)" \
