@@ -4,6 +4,7 @@ by distrun and saved as a folder ``AutoModelForCausalLM.from_pretrained`` loads.
     pip install transformers
     distrun run --nproc-per-node 2 --strategy ddp  examples/hf_causal_lm.py --save out/llama
     distrun run --nproc-per-node 2 --strategy fsdp examples/hf_causal_lm.py --model gpt2 --save out/gpt2
+    distrun run --nproc-per-node 2 --strategy tp   examples/hf_causal_lm.py --save out/llama-tp
     # start from a saved folder, under any strategy:
     distrun run --nproc-per-node 2 --strategy fsdp --init-weights out/llama examples/hf_causal_lm.py
 
@@ -14,7 +15,8 @@ random start), so the loss falls from ln(64) ~ 4.2 quickly. ``--save FOLDER`` wr
 ``config.json`` and ``model.safetensors`` after the fit: the ranks gather the full state dict
 (FSDP's shards included) onto rank 0's CPU, which calls ``save_pretrained``; a tied weight is
 written once, under its first name, as transformers writes it. ``--init-weights FOLDER`` (distrun-safetensors) reads such
-a folder into any strategy, each rank only what it holds.
+a folder into any strategy, each rank only what it holds. Under ``--strategy tp`` the Llama is
+split by transformers' own plan (``base_model_tp_plan``; see ``parallelize_plan``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,26 @@ class CausalLMTask(distrun.Task):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(make_config(self.kind))
+
+    def parallelize_plan(self, mesh: Any) -> dict[str, Any] | None:
+        """Under ``--strategy tp``: transformers' own plan for the model (``base_model_tp_plan``
+        of its config, ``layers.*.self_attn.q_proj: colwise``...), spelled out per layer for
+        torch's ``parallelize_module``. GPT-2 has none (its Conv1D layers are no Linear)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        config = make_config(self.kind)
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        hf_plan = getattr(config, "base_model_tp_plan", None)
+        if not hf_plan:
+            return None  # the tp plugin's automatic plan (or its one-line error)
+        plan = {}
+        for pattern, style in hf_plan.items():
+            if style not in styles:
+                raise ValueError(f"{pattern}: transformers' style {style!r} has no torch "
+                                 "equivalent here")
+            for layer in range(config.num_hidden_layers):  # the base model is `model`
+                plan["model." + pattern.replace("*", str(layer))] = styles[style]()
+        return plan
 
     def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)

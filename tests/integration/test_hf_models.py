@@ -1,5 +1,5 @@
 """Hugging Face models end to end (examples/hf_causal_lm.py), run as a user would: a model
-built from a local config trains on 2 ranks, is saved as a folder that
+built from a local config trains on 2 ranks (ddp, fsdp, tp with transformers' own plan), is saved as a folder that
 ``AutoModelForCausalLM.from_pretrained`` loads bit-equal to distrun's own checkpoint of the
 same step, and ``--init-weights`` reads that folder back into another strategy unchanged."""
 
@@ -43,7 +43,8 @@ def _tensors(folder: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "train", "reload"), [("llama", "ddp", "fsdp"),
-                                                       ("gpt2", "fsdp", "ddp")])
+                                                       ("gpt2", "fsdp", "ddp"),
+                                                       ("llama", "tp", "fsdp")])
 def test_a_transformers_model_trains_saves_and_loads_back(tmp_path, kind, train, reload):
     import torch
     from transformers import AutoModelForCausalLM
@@ -54,6 +55,8 @@ def test_a_transformers_model_trains_saves_and_loads_back(tmp_path, kind, train,
                      cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result
     assert "AutoModelForCausalLM.from_pretrained() loads it" in result.stdout
+    if train == "tp":  # split by transformers' own plan, not the automatic one
+        assert "the task's parallelize_plan" in result.stdout, result
 
     # The folder loads with transformers alone, bit-equal to distrun's checkpoint of step 4.
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
