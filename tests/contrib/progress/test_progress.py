@@ -184,3 +184,20 @@ def test_terminal_lines_never_share_a_line_with_the_bar(tmp_path):
     # The bar's last frame stays, once, and the test result follows it.
     assert len([ln for ln in shown if "16/16" in ln]) == 1, text
     assert re.search(r"^step 16 \| test_loss \d+\.\d{4}$", text, re.M), text
+
+
+def test_the_launchers_lines_clear_the_bar_line_first():
+    import io
+
+    from distrun_progress.shared_terminal import CLEAR_LINE, LineClearing
+
+    out = io.StringIO()
+    stream = LineClearing(out)
+    out.write("epoch 1/2 ━━ 3/16 ETA 0:00:01")  # the bar's frame, drawn by rank 0
+    print("  | Name | Type", file=stream)  # print() writes the text, then "\n"
+    stream.write("a\nb\n")
+    stream.write("partial ")
+    stream.write("line\n")
+    assert out.getvalue() == ("epoch 1/2 ━━ 3/16 ETA 0:00:01" + CLEAR_LINE + "  | Name | Type\n"
+                              + CLEAR_LINE + "a\nb\n" + CLEAR_LINE + "partial line\n")
+    assert screen(out.getvalue()) == ["  | Name | Type", "a", "b", "partial line", ""]
