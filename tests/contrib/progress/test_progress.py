@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -201,3 +202,25 @@ def test_the_launchers_lines_clear_the_bar_line_first():
     assert out.getvalue() == ("epoch 1/2 ━━ 3/16 ETA 0:00:01" + CLEAR_LINE + "  | Name | Type\n"
                               + CLEAR_LINE + "a\nb\n" + CLEAR_LINE + "partial line\n")
     assert screen(out.getvalue()) == ["  | Name | Type", "a", "b", "partial line", ""]
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pty")
+@pytest.mark.skipif(importlib.util.find_spec("distrun_tune") is None,
+                    reason="a fit without steps comes from distrun-tune's finders")
+@pytest.mark.slow
+def test_a_fit_without_steps_leaves_no_bar(tmp_path):
+    # `distrun tune lr` runs a finder instead of the fit's steps: the bar it started at the
+    # fit's start would stay on the terminal as `0/N ... ETA -:--:--`; it is erased instead.
+    task = f"{Path(__file__).resolve().parents[1] / 'tune' / 'tune_tasks.py'}:Quadratic"
+    cmd = shlex.join([sys.executable, "-m", "distrun", "tune", "lr", "--batch-size", "8",
+                      "--tune-steps", "20", "--tune-min-lr", "1e-3", "--no-summary", task])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100", "TERM": "xterm"}
+    env.pop("DISTRUN_PROGRESS_TTY", None)
+    proc = subprocess.run(["script", "-qefc", cmd, "/dev/null"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    raw = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, raw
+    assert "\x1b[?25l" in raw  # the bar was drawn
+    shown = [ln for ln in screen(raw) if ln]
+    assert shown[-1].startswith("LR range test (single, 1 rank): suggested lr "), shown
+    assert not [ln for ln in shown if "ETA" in ln], shown
