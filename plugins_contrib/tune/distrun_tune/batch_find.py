@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from distrun.plugin import UsageError
-from distrun_tune.finders import agree, train_step, tune_dir, write_result
+from distrun_tune.finders import agree, ranks, train_step, tune_dir, write_result
 from distrun_tune.memory import PeakMemory, format_bytes, parse_bytes
 
 __all__ = ["TRIAL_STEPS", "find_batch_size"]
@@ -128,9 +128,9 @@ def find_batch_size(run: Any) -> dict[str, Any]:
                         format_bytes(budget), format_bytes(trials.done[0]["peak"]), plot)
         else:
             capped = " (the --tune-max-batch cap; more may fit)" if failed is None else ""
-            log.info("batch-size finder (%s, %d ranks): %d per rank fits in %s%s: "
+            log.info("batch-size finder (%s, %s): %d per rank fits in %s%s: "
                      "--batch-size %d (the global batch over %d data-parallel ranks). "
-                     "Curve: %s, numbers: %s", run.strategy.name, run.world_size, fitted,
+                     "Curve: %s, numbers: %s", run.strategy.name, ranks(run.world_size), fitted,
                      format_bytes(budget), capped, fitted * dp, dp, plot, path)
     return result
 
@@ -154,7 +154,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch per rank")
     ax.set_ylabel("peak memory per rank (MiB)")
-    ax.set_title(f"batch-size finder ({result['strategy']}, {result['world_size']} ranks, "
+    ax.set_title(f"batch-size finder ({result['strategy']}, {ranks(result['world_size'])}, "
                  f"{result['device']})")
     ax.legend()
     fig.tight_layout()

@@ -20,7 +20,7 @@ import torch
 
 from distrun.plugin import UsageError
 
-__all__ = ["Snapshot", "agree", "run_finder", "to_device", "train_step", "write_result"]
+__all__ = ["Snapshot", "agree", "ranks", "run_finder", "to_device", "train_step", "write_result"]
 
 log = logging.getLogger("distrun")
 
@@ -74,6 +74,11 @@ class Snapshot:
         run.optimizer.zero_grad(set_to_none=True)
         if self.sampler is not None:
             run.sampler.load_state_dict(self.sampler)
+
+
+def ranks(n: int) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def tune_dir(run: Any) -> str:

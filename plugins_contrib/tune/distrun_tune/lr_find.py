@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from distrun_tune.finders import agree, train_step, tune_dir, write_result
+from distrun_tune.finders import agree, ranks, train_step, tune_dir, write_result
 
 __all__ = ["BETA", "DIVERGE", "lr_range_test", "smooth", "suggest"]
 
@@ -97,9 +97,9 @@ def lr_range_test(run: Any) -> dict[str, Any]:
                         "%d steps (%s); widen the range with --tune-min-lr/--tune-max-lr "
                         "(curve: %s)", len(lrs), stopped, plot)
         else:
-            log.info("LR range test (%s, %d ranks): suggested lr %.3g, where the loss "
+            log.info("LR range test (%s, %s): suggested lr %.3g, where the loss "
                      "falls fastest; %s. Curve: %s, numbers: %s", run.strategy.name,
-                     run.world_size, lrs[index], stopped, plot, path)
+                     ranks(run.world_size), lrs[index], stopped, plot, path)
     return result
 
 
@@ -125,7 +125,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
         ax.set_ylim(min(0.0, *head), 1.2 * max(head))
     ax.set_xlabel("learning rate")
     ax.set_ylabel("loss")
-    ax.set_title(f"LR range test ({result['strategy']}, {result['world_size']} ranks)")
+    ax.set_title(f"LR range test ({result['strategy']}, {ranks(result['world_size'])})")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
