@@ -198,6 +198,10 @@ class BarDisplay:
                              stats=self.tracker.stats(val=False))
 
     def close(self) -> None:
+        if self.tracker.step == self.tracker.first_step:
+            # A fit that took no step (a finder ran instead, or it resumed at its end): an
+            # empty bar says nothing, so it goes rather than stay as a stale `0/N` frame.
+            self.progress.live.transient = True
         self.progress.stop()
         if self.owns_stream:
             self.stream.close()

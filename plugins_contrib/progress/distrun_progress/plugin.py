@@ -15,6 +15,7 @@ from typing import Any
 from distrun.plugin import CONSOLE_OWNER, StashKey, hookimpl
 from distrun_progress.display import TTY_ENV, make_display
 from distrun_progress.options import ProgressOptions
+from distrun_progress.shared_terminal import clearing_lines
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -36,7 +37,14 @@ def distrun_launch(config, command, environ):
                 environ[TTY_ENV] = os.ttyname(sys.stdout.fileno())
         except (OSError, ValueError):
             pass
-    return (yield)
+    tty = environ.get(TTY_ENV)
+    opts = ProgressOptions.of(config)
+    if not tty or not opts.progress or opts.progress_mode == "lines":
+        return (yield)
+    # Rank 0's bar and the lines the launcher relays share that terminal: each relayed line
+    # clears the bar's line first, so no stale frame is left under it (shared_terminal.py).
+    with clearing_lines(tty):
+        return (yield)
 
 
 @hookimpl(trylast=True)  # after the core's model summary, so the bar starts below it
@@ -72,3 +80,7 @@ def distrun_teardown(run):
     display = run.stash.pop(_KEY, None)
     if display is not None:
         display.close()
+        # The console line is ours only while the bar shows the fit: the stages after it
+        # (`--stage fit,test`) print their results through it again.
+        if run.stash.get(CONSOLE_OWNER) == "progress":
+            del run.stash[CONSOLE_OWNER]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -106,3 +107,120 @@ def test_two_ranks_one_display(tmp_path):
     # Rank 0 only; the global batch of 32 is split, so still 8 steps per epoch.
     assert len(lines) == 16 and all(ln.startswith("[rank0]: ") for ln in lines), lines
     assert "[progress]" not in (tmp_path / "runs" / "two" / "logs" / "rank1.log").read_text()
+
+
+# -- what a user saw go wrong (issue 30, item 7) ---------------------------------------------
+
+FIT_TEST = f"{Path(__file__).resolve().parent / 'fit_test_task.py'}:FitTestTask"
+CSI = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+
+
+def screen(raw: str) -> list[str]:
+    """The lines a terminal shows after ``raw``: text overwrites at the cursor; carriage
+    return, line feed, erase-line and cursor-up move or clear as a terminal does; colours
+    and cursor visibility are dropped."""
+    lines: list[list[str]] = [[]]
+    row = col = 0
+    i = 0
+    while i < len(raw):
+        ch = raw[i]
+        match = CSI.match(raw, i) if ch == "\x1b" else None
+        if match:
+            arg, verb = match.groups()
+            if verb == "K":  # erase in line: 2 the whole line, 0 (default) to its end
+                lines[row] = [] if arg == "2" else lines[row][:col]
+            elif verb == "A":
+                row = max(0, row - int(arg or 1))
+            i = match.end()
+            continue
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row += 1
+            col = 0
+            if row == len(lines):
+                lines.append([])
+        elif ch >= " ":
+            line = lines[row]
+            line.extend(" " * (col - len(line)))
+            line[col:col + 1] = [ch]
+            col += 1
+        i += 1
+    return ["".join(line).rstrip() for line in lines]
+
+
+def test_fit_then_test_prints_the_test_result(tmp_path):
+    # The progress display owns the console line during the fit only: the test stage after it
+    # prints its result (it printed nothing while distrun-progress was installed).
+    result = run_cli("run", "--stage", "fit,test", "--progress-interval", "3600", *FLAGS,
+                     FIT_TEST, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert re.search(r"^step 16 \| test_loss \d+\.\d{4}$", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pty")
+@pytest.mark.slow
+def test_terminal_lines_never_share_a_line_with_the_bar(tmp_path):
+    # In a real terminal: the model summary (logged as the bar starts) and a print of the task
+    # while the bar is drawn are relayed by the launcher onto the terminal the bar draws on.
+    # Each must stand on a line of its own, with no frame of the bar left before it.
+    flags = [f for f in FLAGS if f != "--no-summary"]
+    cmd = shlex.join([sys.executable, "-m", "distrun", "run", "--stage", "fit,test", *flags,
+                      FIT_TEST])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100", "TERM": "xterm",
+           "PROGRESS_PRINT_AT": "5"}
+    env.pop("DISTRUN_PROGRESS_TTY", None)
+    proc = subprocess.run(["script", "-qefc", cmd, "/dev/null"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    raw = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, raw
+    assert "\x1b[?25l" in raw  # a live bar was drawn on the terminal
+    shown = screen(raw)
+    text = "\n".join(shown)
+    for needle in ("| Name", "Total params", "task says hello at step 5"):
+        (line,) = [ln for ln in shown if needle in ln]
+        assert "ETA" not in line and "/16" not in line, text  # no stale frame on its line
+    assert "task says hello at step 5" in shown, text
+    assert [ln for ln in shown if ln.startswith("  | Name")], text
+    # The bar's last frame stays, once, and the test result follows it.
+    assert len([ln for ln in shown if "16/16" in ln]) == 1, text
+    assert re.search(r"^step 16 \| test_loss \d+\.\d{4}$", text, re.M), text
+
+
+def test_the_launchers_lines_clear_the_bar_line_first():
+    import io
+
+    from distrun_progress.shared_terminal import CLEAR_LINE, LineClearing
+
+    out = io.StringIO()
+    stream = LineClearing(out)
+    out.write("epoch 1/2 ━━ 3/16 ETA 0:00:01")  # the bar's frame, drawn by rank 0
+    print("  | Name | Type", file=stream)  # print() writes the text, then "\n"
+    stream.write("a\nb\n")
+    stream.write("partial ")
+    stream.write("line\n")
+    assert out.getvalue() == ("epoch 1/2 ━━ 3/16 ETA 0:00:01" + CLEAR_LINE + "  | Name | Type\n"
+                              + CLEAR_LINE + "a\nb\n" + CLEAR_LINE + "partial line\n")
+    assert screen(out.getvalue()) == ["  | Name | Type", "a", "b", "partial line", ""]
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a pty")
+@pytest.mark.skipif(importlib.util.find_spec("distrun_tune") is None,
+                    reason="a fit without steps comes from distrun-tune's finders")
+@pytest.mark.slow
+def test_a_fit_without_steps_leaves_no_bar(tmp_path):
+    # `distrun tune lr` runs a finder instead of the fit's steps: the bar it started at the
+    # fit's start would stay on the terminal as `0/N ... ETA -:--:--`; it is erased instead.
+    task = f"{Path(__file__).resolve().parents[1] / 'tune' / 'tune_tasks.py'}:Quadratic"
+    cmd = shlex.join([sys.executable, "-m", "distrun", "tune", "lr", "--batch-size", "8",
+                      "--tune-steps", "20", "--tune-min-lr", "1e-3", "--no-summary", task])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100", "TERM": "xterm"}
+    env.pop("DISTRUN_PROGRESS_TTY", None)
+    proc = subprocess.run(["script", "-qefc", cmd, "/dev/null"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    raw = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, raw
+    assert "\x1b[?25l" in raw  # the bar was drawn
+    shown = [ln for ln in screen(raw) if ln]
+    assert shown[-1].startswith("LR range test (single, 1 rank): suggested lr "), shown
+    assert not [ln for ln in shown if "ETA" in ln], shown
