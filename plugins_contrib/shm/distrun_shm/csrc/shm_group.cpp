@@ -43,6 +43,7 @@ struct alignas(64) Header {
 struct alignas(64) Ctrl {
   std::atomic<uint32_t> seq;      // signals given: the futex word peers sleep on
   std::atomic<uint32_t> waiters;  // peers asleep (or about to be) on seq
+  std::atomic<int32_t> cpu;       // the CPU the rank last signalled from (a hint for waiters)
 };
 
 struct Ring {
@@ -130,6 +131,7 @@ Group::Group(const std::string& name, bool create, int rank, int size, size_t sl
     header_->size = size_;
     header_->slot_bytes = slot_bytes_;
     header_->ring_bytes = ring_bytes_;
+    for (int r = 0; r < size_; ++r) ctrl_[r].cpu.store(-1, std::memory_order_relaxed);
     header_->magic = kMagic;
   } else if (header_->magic != kMagic || header_->size != static_cast<uint64_t>(size_) ||
              header_->slot_bytes != slot_bytes_ || header_->ring_bytes != ring_bytes_) {
@@ -196,27 +198,67 @@ void Group::check_peers(const std::vector<int>& waiting_for) {
 void Group::signal() {
   ++seq_;
   Ctrl& c = ctrl_[rank_];
+  c.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   c.seq.store(seq_, std::memory_order_seq_cst);
   if (c.waiters.load(std::memory_order_seq_cst) != 0) futex(&c.seq, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
+// Waiting for a peer's counter, in three phases:
+//   spin   up to spin_ns_ of pause loops: a peer running on another core is usually
+//          microseconds away, and catching it here costs no system call on either side;
+//   yield  a few sched_yield()s, only while spinning still pays (see below);
+//   sleep  FUTEX_WAIT on the peer's counter, registered in its waiter count so that its next
+//          signal() wakes us (a writer makes the FUTEX_WAKE call only when the count is not 0,
+//          so peers on time cost each other nothing). A sleeping rank gives its core away for
+//          the whole wait: the scheduler runs the peer (or whatever else is runnable) there.
+// Spinning only pays while the peer runs elsewhere. A peer that last signalled from our own
+// core cannot be running while we spin (we hold that core), so we sleep almost at once
+// (kSpinSameCpuNs). Otherwise spin_ns_ adapts, per group: a wait that the spin ended grows it
+// by an eighth of kSpinMaxNs; one that the spin did not end halves it, down to kSpinMinNs,
+// and skips the yields once it is below half the maximum. On a quiet machine collectives keep
+// the full budget; when peers are often descheduled (more runnable threads than cores), the
+// spins fail and waiting becomes sleeping after a few microseconds. The futex wait has a
+// timeout, so a dead peer, an abort or the group's timeout is still noticed (every 0.2 s).
+namespace {
+constexpr int64_t kSpinMaxNs = 200 * 1000;
+constexpr int64_t kSpinMinNs = 20 * 1000;
+constexpr int64_t kSpinSameCpuNs = 2 * 1000;
+constexpr int kYields = 4;
+
+int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+}  // namespace
+
 void Group::wait_rank(int r, uint32_t value) {
   Ctrl& c = ctrl_[r];
   if (reached(c.seq.load(std::memory_order_acquire), value)) return;
-  // Spin a little (the peer is usually microseconds away), then give the core away: with more
-  // ranks than cores the peer may need ours to get there. Then sleep on the futex.
-  for (int i = 0; i < 2000; ++i) {
+  const bool same_cpu = c.cpu.load(std::memory_order_relaxed) == sched_getcpu();
+  const int64_t budget = same_cpu ? kSpinSameCpuNs : spin_ns_;
+  const auto spin_start = Clock::now();
+  for (uint32_t i = 1;; ++i) {
     DS_PAUSE();
-    if (reached(c.seq.load(std::memory_order_acquire), value)) return;
+    if (reached(c.seq.load(std::memory_order_acquire), value)) {
+      if (!same_cpu) spin_ns_ = std::min(kSpinMaxNs, spin_ns_ + kSpinMaxNs / 8);
+      return;
+    }
+    if ((i & 15) == 0 && ns_since(spin_start) >= budget) break;
   }
-  for (int i = 0; i < 50; ++i) {
-    sched_yield();
-    if (reached(c.seq.load(std::memory_order_acquire), value)) return;
+  const bool contended = same_cpu || spin_ns_ < kSpinMaxNs / 2;
+  if (!same_cpu) spin_ns_ = std::max(kSpinMinNs, spin_ns_ / 2);
+  if (!contended) {
+    for (int i = 0; i < kYields; ++i) {
+      sched_yield();
+      if (reached(c.seq.load(std::memory_order_acquire), value)) return;
+    }
   }
   const auto start = Clock::now();
-  auto next_check = start;
+  auto next_check = start + std::chrono::milliseconds(200);
   const timespec tick{0, 100 * 1000 * 1000};
   while (true) {
+    // Register first, then look: a signal() after our look sees the registration and wakes
+    // us; one before it is seen by the look (both sides use seq_cst: no lost wake-up). And
+    // FUTEX_WAIT itself returns at once if the word is no longer `cur`.
     c.waiters.fetch_add(1, std::memory_order_seq_cst);
     uint32_t cur = c.seq.load(std::memory_order_seq_cst);
     if (!reached(cur, value) && header_->aborted.load(std::memory_order_acquire) == 0)

@@ -5,7 +5,8 @@
 //
 // Segment layout (one per group, fixed size whatever the tensors):
 //   header      magic, size, slot and ring sizes, abort flag
-//   ctrl[n]     one cache line per rank: its signal counter (a futex word), its waiter count
+//   ctrl[n]     one cache line per rank: its signal counter (a futex word), its waiter count,
+//               the CPU it last signalled from
 //   slots[2][n] two sets of one staging buffer per rank; step s uses set s % 2, so a rank
 //               writes step s + 1 while slower ranks still read step s
 //   rings[n][n] one byte ring per ordered pair (src -> dst) for send / recv
@@ -144,6 +145,7 @@ class Group {
   uint32_t prev_first_ = 0;  // the counter after the first signal of the previous step
   uint32_t cur_first_ = 0;
   uint64_t step_ = 0;
+  int64_t spin_ns_ = 200 * 1000;  // this group's spin budget per wait (adapts: wait_rank)
   std::string broken_;
   const char* op_label_ = "collective";
   std::vector<std::deque<P2P>> sends_, recvs_;
