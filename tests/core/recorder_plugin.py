@@ -51,6 +51,11 @@ def distrun_resume_words():
 
 
 @hookimpl
+def distrun_continues_run(config):
+    _record("distrun_continues_run")
+
+
+@hookimpl
 def distrun_parallel_degrees(config):
     _record("distrun_parallel_degrees")
 

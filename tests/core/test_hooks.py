@@ -17,7 +17,7 @@ from distrun.testing import run_cli
 SPEC_NAMES = sorted(n for n, f in vars(hookspecs).items()
                     if n.startswith("distrun_") and callable(f))
 #: hooks that answer a question whenever one is asked (not a phase of the run)
-QUERIES = ("parallel_degrees", "resume_words")
+QUERIES = ("continues_run", "parallel_degrees", "resume_words")
 HERE = Path(__file__).resolve().parent
 TINY = str(HERE / "tiny_task.py")
 

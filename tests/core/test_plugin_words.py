@@ -75,3 +75,27 @@ def test_auto_without_a_strategy_that_offers_itself_says_so():
     with pytest.raises(UsageError, match="4 processes need a data-parallel strategy and none "
                                          "is installed that --strategy auto may pick"):
         choose_strategy(config, 4, strategies)
+
+
+class Restarting:
+    """A plugin whose runs resume every start from their folder (as --max-restarts does)."""
+
+    @hookimpl
+    def distrun_continues_run(self, config):
+        return True
+
+
+@pytest.mark.parametrize("plugins, kept", [((), False), ((Restarting(),), True)])
+def test_a_run_continues_its_folder_only_when_resume_or_a_plugin_says_so(tmp_path, plugins,
+                                                                         kept):
+    from distrun._config.run_dir import fresh_run_folder
+
+    earlier = tmp_path / "demo"
+    earlier.mkdir()
+    (earlier / "metrics.csv").write_text("step\n")
+    config = _resolve(_manager(*plugins), run_dir=str(earlier))
+    expected = str(earlier) if kept else f"{earlier}-2"
+    assert fresh_run_folder(config).run_dir == expected
+    # --resume other than never continues it without any plugin
+    assert fresh_run_folder(_resolve(_manager(), run_dir=str(earlier), resume="auto")).run_dir \
+        == str(earlier)

@@ -40,9 +40,11 @@ def check_run_dir(run_dir: str) -> None:
 
 def _continues(config: RunConfig) -> bool:
     """True when the run picks up an earlier one in the same folder (its checkpoints)."""
-    # --max-restarts (distrun-elastic) resumes every start from the folder's checkpoints, a
-    # requeued job included.
-    return config.resume != "never" or bool(config.get("max_restarts", 0))
+    if config.resume != "never":
+        return True
+    # a plugin whose runs resume every start from the folder (restarts) says so
+    pm = config.pluginmanager
+    return pm is not None and any(pm.hook.distrun_continues_run(config=config))
 
 
 def fresh_run_folder(config: RunConfig, say: bool = False) -> RunConfig:

@@ -137,6 +137,20 @@ def distrun_resume_words() -> Mapping[str, str] | None:
 
 
 @hookspec
+def distrun_continues_run(config: RunConfig) -> bool | None:
+    """Say whether this run, by this plugin's options, continues the run its folder holds.
+
+    Called when the launcher picks the run folder: a folder that holds an earlier run gets
+    ``NAME-2`` beside it unless ``--resume`` asks for that run's checkpoints or a plugin answers
+    True here (the elastic plugin under ``--max-restarts``: every start resumes from the
+    folder's checkpoints, a requeued job included). Any number of plugins; one True is enough.
+    Torch-free.
+
+    :return: True to keep the folder, or None.
+    """
+
+
+@hookspec
 def distrun_parallel_degrees(config: RunConfig) -> Mapping[str, int] | None:
     """Say which parallel degrees this plugin's options ask for (``{"tp": 2}``).
 

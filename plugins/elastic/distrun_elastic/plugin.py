@@ -19,6 +19,12 @@ def distrun_register_options(register):
     register(ElasticOptions)
 
 
+@hookimpl
+def distrun_continues_run(config):
+    # every start of a restarting run resumes from its folder's checkpoints
+    return ElasticOptions.of(config).max_restarts > 0 or None
+
+
 @hookimpl(tryfirst=True)
 def distrun_launch(config, command, environ):
     from distrun_elastic.settings import make_plan, wants_elastic
