@@ -219,7 +219,12 @@ class DistrunAgent(LocalElasticAgent):
                 return self._lose(worker_group, lost)
         self._stop_siblings_of_failure(worker_group)
         result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.root_cause:
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed and self.root_cause is None:
+            # A worker ended between our poll above and torch's: name it now, or the restart
+            # below would go ahead without its line (and without stopping its siblings first)
+            self._stop_siblings_of_failure(worker_group)
+        if failed and self.root_cause:
             rank, code = self.root_cause
             if code in (EXIT_REQUEUE, _USAGE_ERROR):
                 self._remaining_restarts = 0

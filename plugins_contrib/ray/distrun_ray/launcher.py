@@ -21,11 +21,13 @@ started again).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -223,6 +225,9 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
     pg: Any = None
     ranks: list[_Rank] = []
     lost: list[str] = []  # the nodes lost so far
+    # The run's last word is said after ray.shutdown(): until then Ray's log monitor may still
+    # relay a dead node's raylet dump, which would bury the line that says what to do.
+    last_word: list[Callable[[], None]] = []
     try:
         for attempt in range(restarts + 1):
             try:
@@ -234,13 +239,13 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                         f"the Ray cluster cannot place {asked} within "
                         f"{opts.ray_start_timeout:g}s (it has {have}); lower "
                         "--ray-num-workers or --ray-cpus-per-worker, or add nodes") from None
-                print(f"distrun: the Ray cluster cannot place {asked} "
-                      f"({opts.ray_placement}) again within {opts.ray_start_timeout:g}s "
-                      f"(it has {have}) after "
-                      f"{'losing ' + ', '.join(lost) if lost else 'the failure above'}: add a "
-                      "node (or restart the lost one) and run again with --resume auto; exit "
-                      f"{EXIT_REQUEUE} (requeue)",
-                      file=sys.stderr, flush=True)
+                message = (f"distrun: the Ray cluster cannot place {asked} "
+                           f"({opts.ray_placement}) again within {opts.ray_start_timeout:g}s "
+                           f"(it has {have}) after "
+                           f"{'losing ' + ', '.join(lost) if lost else 'the failure above'}: "
+                           "add a node (or restart the lost one) and run again with --resume "
+                           f"auto; exit {EXIT_REQUEUE} (requeue)")
+                last_word.append(functools.partial(print, message, file=sys.stderr, flush=True))
                 return EXIT_REQUEUE
             master_ip = ranks[0].ip
             nnodes = len({r.node_rank for r in ranks})
@@ -273,10 +278,17 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             code = exit_code(failed.code if failed.code is not None else 1)
             if stop.signum is not None:
                 return code
+            final = attempt == restarts
             if failed.lost:
-                _say_lost(failed, last=attempt == restarts)
+                if final:
+                    last_word.append(functools.partial(_say_lost, failed, last=True))
+                else:
+                    _say_lost(failed, last=False)
                 lost.append(f"node {failed.node_name}")
                 code = EXIT_REQUEUE  # nothing failed in the job: it can go on elsewhere
+            elif final:
+                last_word.append(functools.partial(report_failure, failed, code,
+                                                   where=f"Ray node {failed.ip}"))
             else:
                 report_failure(failed, code, where=f"Ray node {failed.ip}")
             if attempt < restarts:
@@ -290,6 +302,8 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
         if pg is not None:
             _release(ray, ranks, pg, remove_placement_group)
         ray.shutdown()
+        for say in last_word:
+            say()
 
 
 def _release(ray: Any, ranks: list[_Rank], pg: Any, remove: Any) -> None:
