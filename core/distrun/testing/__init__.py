@@ -25,10 +25,11 @@ import pytest
 
 from distrun._launch.lifeline import die_with, die_with_parent
 from distrun._launch.ports import free_port
+from distrun._launch.reaper import descendants
 from distrun.testing.hosts import HostSpec, Testbed, TestbedError, unavailable
 
 __all__ = ["CliResult", "HostSpec", "Testbed", "backend_plugins", "busy_cores", "cpu_backends",
-           "distrun_cli", "distrun_hosts", "distrun_pm", "free_port", "imports_torch",
+           "descendants", "distrun_cli", "distrun_hosts", "distrun_pm", "free_port", "imports_torch",
            "only_plugins", "run_cli", "run_on_ranks"]
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from distrun.testing import descendants
+
 pytest.importorskip("torchft")
 pytest.importorskip("distrun_ft")
 
@@ -50,7 +52,7 @@ class Launch:
         """Remember every process below the launcher now (checked dead at the end)."""
         from distrun.plugin import pid_alive  # noqa: F401 (import check)
 
-        self.descendants.update(_descendants(self.proc.pid))
+        self.descendants.update(descendants(self.proc.pid))
 
     def wait(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -74,7 +76,7 @@ class Launch:
             except subprocess.TimeoutExpired:
                 pass
         if self.proc.poll() is None:
-            for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            for pid in [self.proc.pid, *descendants(self.proc.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -87,23 +89,6 @@ class Launch:
                 pass
         self.out.close()
 
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
 
 
 def alive(pid: int) -> bool:
