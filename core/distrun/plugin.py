@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from distrun._strategies.process_group import init_single_process_group, prepare_backend
     from distrun._train.rng import seed_everything
     from distrun._train.run import Run
+    from distrun._train.sampler import epoch_permutation
     from distrun._train.schedulers import load_scheduler_states, scheduler_states
     from distrun._train.step_sync import STEP_SYNC
     from distrun._train.store_host import host_launcher_store, serve_store
@@ -97,7 +98,7 @@ __all__ = [
     "reaped",
     # state and results
     "load_scheduler_states", "scheduler_states", "seed_everything", "to_cpu",
-    "plot_run", "render_config",
+    "epoch_permutation", "plot_run", "render_config",
 ]
 
 #: names whose modules import torch, loaded on first use
@@ -114,6 +115,7 @@ _LAZY = {
     "host_launcher_store": "distrun._train.store_host",
     "serve_store": "distrun._train.store_host",
     "to_cpu": "distrun._train.tensors",
+    "epoch_permutation": "distrun._train.sampler",
 }
 
 

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrun.plugin import LOOPBACK, DistrunError, StashKey, UsageError, first_line
+from distrun.plugin import (
+    LOOPBACK,
+    DistrunError,
+    StashKey,
+    UsageError,
+    epoch_permutation,
+    first_line,
+)
 from distrun_ft.launcher import ADDRESS_ENV, ATTEMPT_ENV, BARRIER_ENV, GROUPS_ENV, REPLICA_ENV
 from distrun_ft.options import FtOptions
 from distrun_ft.settings import timeouts
@@ -75,10 +82,6 @@ def _dataset(run: Any) -> Any:
                          "__len__ and __getitem__): the live groups split each global batch "
                          "by index")
     return data
-
-
-def _order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch))
 
 
 def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -205,7 +208,7 @@ def fit_ft(run: Any) -> Any:
             step = manager.current_step()  # after a heal: the peers' step
             epoch, within = divmod(step, per_epoch)
             if epoch not in orders:
-                orders = {epoch: _order(len(data), int(cfg.seed), epoch)}
+                orders = {epoch: epoch_permutation(int(cfg.seed), epoch, len(data))}
             ids = orders[epoch][within * batch:(within + 1) * batch]
             lo, hi = share(batch, state.participants, state.replica_rank)
             a, b = share(hi - lo, inner_world, inner_rank)
