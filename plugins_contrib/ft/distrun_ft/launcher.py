@@ -188,7 +188,8 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         address = bind_address(2, host, config.local_addr)
     else:
         lighthouse_proc, lighthouse = _start_lighthouse(config, n)
-    groups = [_Group(g) for g in range(n)]
+    first = int(FtOptions.of(config).ft_first_replica)
+    groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     # the groups' meeting folder: in the run folder when there is one, so a launcher killed

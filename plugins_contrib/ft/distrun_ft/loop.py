@@ -102,8 +102,10 @@ def _unflatten(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
 
 
 def _make_manager(run: Any, replica: int) -> Any:
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
+
+    from distrun_ft.binding import manager_server_on, process_group_on
 
     t = timeouts(run.config)
     model, optimizer = run.unwrapped_model(), run.optimizer
@@ -117,22 +119,24 @@ def _make_manager(run: Any, replica: int) -> Any:
         optimizer.load_state_dict(state["optimizer"])
         run.progress.load_state_dict(state["progress"])
 
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=t.ft))
-    return Manager(
-        pg=pg,
-        # the healing state goes over the groups' own process group: no HTTP server of
-        # torchft's (which would listen on every interface)
-        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=t.ft),
-                                         device=torch.device("cpu")),
-        load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=int(FtOptions.of(run.config).ft_min_replicas),
-        use_async_quorum=False,  # heal before the forward pass, then train this step
-        timeout=timedelta(seconds=t.ft), quorum_timeout=timedelta(seconds=t.quorum),
-        connect_timeout=timedelta(seconds=t.connect),
-        replica_id=f"distrun_replica{replica}",
-        hostname=os.environ.get(ADDRESS_ENV, LOOPBACK),
-        init_sync=False,  # every group seeds its model the same (--seed)
-    )
+    address = os.environ.get(ADDRESS_ENV, LOOPBACK)
+    pg = process_group_on(address, timedelta(seconds=t.ft))
+    with manager_server_on(address):  # torchft's servers on the run's address only
+        return Manager(
+            pg=pg,
+            # the healing state goes over the groups' own process group: no HTTP server of
+            # torchft's (which would listen on every interface)
+            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=t.ft),
+                                             device=torch.device("cpu")),
+            load_state_dict=load_state_dict, state_dict=state_dict,
+            min_replica_size=int(FtOptions.of(run.config).ft_min_replicas),
+            use_async_quorum=False,  # heal before the forward pass, then train this step
+            timeout=timedelta(seconds=t.ft), quorum_timeout=timedelta(seconds=t.quorum),
+            connect_timeout=timedelta(seconds=t.connect),
+            replica_id=f"distrun_replica{replica}",
+            hostname=address,
+            init_sync=False,  # every group seeds its model the same (--seed)
+        )
 
 
 def _meet(run: Any, replica: int, timeout: float) -> None:

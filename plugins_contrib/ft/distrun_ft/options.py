@@ -27,4 +27,8 @@ class FtOptions(PluginOptions, plugin="ft"):
         2.0, "seconds without a heartbeat before a replica group is dropped from the quorum: "
         "the survivors' stall after a group dies is at most this plus one second",
         min=0.2, metavar="SECONDS")
+    ft_first_replica: int = option(
+        0, "the index of this launcher's first replica group, when launchers on several hosts "
+        "share one --ft-lighthouse: give each host its own range (host k of N groups each: "
+        "k*N), so the groups' ids, run folders and logs do not collide", min=0)
     ft_min_replicas: int = option(1, "replica groups a step needs to commit", min=1)

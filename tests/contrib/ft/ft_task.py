@@ -13,7 +13,8 @@ the replacement rejoins before the run ends.
 SIGKILLs itself at step S of its first life, after writing the time to ``killed-at``
 (benchmarks/fault_tolerance.py).
 
-``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts).
+``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts);
+with ``FT_SLOW_UNTIL=PATH`` only until the file PATH exists (the test releases the run).
 
 The hold hook (``FT_HOLD_STEP=S``, ``FT_HOLD_VICTIM=G``), in a group's first life only: at
 step S each rank of the victim group writes its pid to ``$FT_RECORD/victim-held-rank<R>`` and
@@ -88,7 +89,8 @@ def _touch(path: str) -> None:
 
 @hookimpl(wrapper=True)
 def distrun_training_step(run, batch):
-    if os.environ.get("FT_STEP_SLEEP"):
+    slow_until = os.environ.get("FT_SLOW_UNTIL")
+    if os.environ.get("FT_STEP_SLEEP") and not (slow_until and os.path.exists(slow_until)):
         time.sleep(float(os.environ["FT_STEP_SLEEP"]))
     kill = os.environ.get("FT_KILL_STEP")  # benchmarks: the victim dies by itself
     if kill and run.progress.step + 1 == int(kill) and _is_victim():
