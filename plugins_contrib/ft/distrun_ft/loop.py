@@ -3,8 +3,9 @@
 Every step: torchft's Manager forms the quorum (synchronously, so a group that must heal has
 loaded a live peer's state before its forward pass), the fixed global batch (``--batch-size``
 samples, in the order of ``(seed, epoch)``) is split among the live groups by replica rank
-and then among a group's ranks, the group's strategy (ddp) averages the gradients inside the
-group, the Manager averages them across the groups, and the optimizer steps only when every
+and then among a group's ranks, the group's strategy averages the gradients inside the group
+(ddp: each rank holds the whole gradient; fsdp: each rank its shard, reduce-scattered), the
+Manager averages what each rank holds with the same rank of every other group, and the optimizer steps only when every
 participant votes to commit. A step that does not commit (a peer died in it) is tried again
 with the next quorum, on the same samples: each sample of the data order is consumed by
 exactly one committed step.
@@ -84,20 +85,29 @@ def _dataset(run: Any) -> Any:
     return data
 
 
-def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
+def _local_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient as this rank holds it: the whole gradient under ddp, this
+    rank's shard (a DTensor's local tensor, a view of it) under fsdp. Rank r of a group
+    syncs with rank r of every other group, which holds the same shard."""
+    out = []
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad
+            out.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    return out
 
 
-def _unflatten(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _unflatten(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
     at = 0
-    for p in params:
-        n = p.numel()
-        piece = flat[at:at + n].view_as(p)
-        if p.grad is None:
-            p.grad = piece.clone()
-        else:
-            p.grad.copy_(piece)
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[at:at + n].view_as(g))
         at += n
 
 
@@ -224,9 +234,10 @@ def fit_ft(run: Any) -> Any:
             # the group's mean (ddp), then the groups' mean (torchft): the global batch's mean
             scale = len(mine) * inner_world * state.participants / batch
             run.hook.distrun_backward(run=run, loss=loss * scale)
-            flat = _flat_grads(params)
+            grads = _local_grads(params)
+            flat = _flat(grads)
             manager.allreduce(flat).wait()
-            _unflatten(params, flat)
+            _unflatten(grads, flat)
             if not manager.should_commit():
                 if run.strategy.rank == 0:
                     why = manager.errored()

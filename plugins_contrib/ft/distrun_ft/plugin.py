@@ -1,8 +1,8 @@
 """Entry point of distrun-ft (imports neither torch nor torchft): options, checks and hooks.
 
 ``distrun run --ft --replica-groups N --nproc-per-node K`` runs N replica groups of K ranks;
-inside a group the run's strategy (ddp) syncs the K ranks, and torchft's Manager syncs the
-groups at every step. The launcher (:mod:`distrun_ft.launcher`) restarts a dead group on its
+inside a group the run's strategy (ddp or fsdp) syncs the K ranks, and torchft's Manager syncs
+the groups at every step. The launcher (:mod:`distrun_ft.launcher`) restarts a dead group on its
 own; the workers' loop (:mod:`distrun_ft.loop`) keeps the survivors training meanwhile.
 """
 

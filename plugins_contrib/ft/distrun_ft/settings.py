@@ -68,7 +68,7 @@ def check_launch(config: Any) -> None:
                          "N instead of --max-restarts (which restarts the whole job)")
     if str(config.strategy).startswith("pp") or int(config.get("pp", 0) or 0) > 1:
         raise UsageError(f"--ft does not support pipeline parallelism (--strategy "
-                         f"{config.strategy}): use ddp inside each replica group")
+                         f"{config.strategy}): use ddp or fsdp inside each replica group")
     if str(config.nnodes) not in ("1", "1:1"):
         raise UsageError("--ft starts this host's replica groups: run one `distrun run --ft "
                          "--ft-lighthouse URL` per host instead of --nnodes")

@@ -161,5 +161,7 @@ def distrun_on_fit_end(run):
     from safetensors.torch import save_file
 
     where, replica, rank = _where()
-    state = {k: v.detach().contiguous() for k, v in run.unwrapped_model().state_dict().items()}
+    # under fsdp each rank holds its shards (DTensors): rank r's are compared with rank r's
+    state = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().contiguous()
+             for k, v in run.unwrapped_model().state_dict().items()}
     save_file(state, os.path.join(where, f"weights-replica{replica}-rank{rank}.safetensors"))

@@ -6,11 +6,13 @@ cross-group gradient all-reduce (held there by ft_task's hook, not by timing).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -82,4 +84,31 @@ def test_kill_a_group_held_in_the_allreduce(launch, ft, tmp_path):
                                      "ft_replica_rank"]
     assert len(csv) == steps + 1
     # every process the launcher started is gone (workers of both lives, the lighthouse)
+    assert run.descendants and not [p for p in run.descendants if ft.alive(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("distrun_fsdp") is None,
+                    reason="needs the fsdp strategy: pip install distrun-fsdp")
+def test_inner_fsdp_group_killed_and_healed(launch, ft, tmp_path):
+    # The HSDP shape: fsdp shards the model over the 2 ranks of a group, torchft averages
+    # each shard's gradient with the same shard of the other group.
+    steps, hold = 3 * PER_EPOCH, 4
+    args = _args(steps)
+    args[args.index("ddp")] = "fsdp"
+    run = launch(*args, env=ft.env(tmp_path, FT_HOLD_STEP=str(hold), FT_HOLD_VICTIM="1",
+                                   FT_AWAIT_REPLACEMENT="1"))
+    ft.wait_for([tmp_path / "victim-held-rank0", tmp_path / "victim-held-rank1",
+                 tmp_path / "peer0-at-allreduce"], run, timeout=180)
+    for r in (0, 1):
+        os.kill(int((tmp_path / f"victim-held-rank{r}").read_text()), signal.SIGKILL)
+    assert run.wait(timeout=300) == 0, run.output()[-4000:]
+    _check_exactly_once(ft.rows(tmp_path), steps)
+    back = [r for r in ft.rows(tmp_path) if r["replica"] == 1 and r["attempt"] == 1]
+    assert back and all(r["participants"] == 2 for r in back) and back[-1]["step"] == steps
+    for rank in (0, 1):  # each rank's shards, bit-equal to the same rank's of the other group
+        shards = [load_file(tmp_path / f"weights-replica{g}-rank{rank}.safetensors")
+                  for g in (0, 1)]
+        assert shards[0].keys() == shards[1].keys()
+        assert all(torch.equal(shards[0][k], shards[1][k]) for k in shards[0])
     assert run.descendants and not [p for p in run.descendants if ft.alive(p)]
