@@ -23,6 +23,11 @@ gradient all-reduce; every other group's rank 0 writes ``$FT_RECORD/peer<G>-at-a
 once the last gradient of its backward pass is produced, right before the loop issues the
 cross-group all-reduce that cannot complete without the victim. The test kills the victim
 group once both files exist: the peer is then waiting inside the all-reduce.
+
+The save hold (``FT_HOLD_SAVE_STEP=S``, ``FT_HOLD_VICTIM=G``), in group G's first life only:
+when that group writes the durable checkpoint of step S, each of its ranks writes its files
+into the checkpoint's temporary folder, then writes its pid to ``$FT_RECORD/saver-held-rank<R>``
+and sleeps there, inside the save, before the commit (the test kills the group).
 """
 
 from __future__ import annotations
@@ -149,10 +154,30 @@ def distrun_on_step_end(run, step, metrics):
         fh.write(json.dumps(row) + "\n")
 
 
+def _hold_inside_the_save(step: int) -> None:
+    from distrun_safetensors import save
+
+    where, _, rank = _where()
+    write = save._write_rank_files
+
+    def write_then_hold(job, tmp):
+        report = write(job, tmp)
+        if job["step"] == step:
+            _touch(os.path.join(where, f"saver-held-rank{rank}"))
+            while True:  # until the test kills the group
+                time.sleep(1)
+        return report
+
+    save._write_rank_files = write_then_hold
+
+
 @hookimpl
 def distrun_on_fit_start(run):
     where, replica, rank = _where()
     attempt = os.environ.get("DISTRUN_FT_ATTEMPT", "0")
+    hold_save = os.environ.get("FT_HOLD_SAVE_STEP")
+    if hold_save and attempt == "0" and replica == int(os.environ["FT_HOLD_VICTIM"]):
+        _hold_inside_the_save(int(hold_save))
     _touch(os.path.join(where, f"pid-replica{replica}-rank{rank}-attempt{attempt}"))
 
 

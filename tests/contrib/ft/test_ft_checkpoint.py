@@ -70,3 +70,30 @@ def test_lowest_live_replica_saves_and_a_lost_run_resumes(launch, ft, tmp_path):
     assert len(weights) == 4
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])
     assert _saved_steps(ckpt)[-1] == 36
+
+
+@pytest.mark.slow
+def test_a_commit_survives_the_saving_group_dying_mid_save(launch, ft, tmp_path):
+    from distrun.testing import run_cli
+
+    run_dir = tmp_path / "run"
+    # Group 0 (the saver) writes its files of step 8 and is killed before it commits them;
+    # group 1, the lowest live replica from then on, commits steps 12 and 16.
+    run = launch(*_args(run_dir, 16, "--ft-max-restarts", "0"),
+                 env=ft.env(tmp_path, FT_HOLD_SAVE_STEP="8", FT_HOLD_VICTIM="0"))
+    held = [tmp_path / "saver-held-rank0", tmp_path / "saver-held-rank1"]
+    ft.wait_for(held, run, 180)
+    ckpt = run_dir / "checkpoints"
+    assert _saved_steps(ckpt) == [4]  # step 8's files are written, not committed
+    for r in (0, 1):
+        os.kill(int((tmp_path / f"pid-replica0-rank{r}-attempt0").read_text()), signal.SIGKILL)
+    assert run.wait(timeout=300) == 0, run.output()[-4000:]
+    assert "replica group 0 lost" in run.output()
+    assert _saved_steps(ckpt) == [4, 12, 16]
+    for step in (4, 12, 16):  # each committed one loads as a resume would read it
+        folder = next(m.parent for m in ckpt.glob("*/manifest.json")
+                      if json.loads(m.read_text())["step"] == step)
+        verified = run_cli("ckpt", "verify", str(folder), cwd=tmp_path, timeout=120)
+        assert verified.returncode == 0 and f"step {step}," in verified.stdout, verified
+    rows = [r for r in ft.rows(tmp_path) if r["replica"] == 1]
+    assert sorted({r["step"] for r in rows}) == list(range(1, 17))
