@@ -24,7 +24,13 @@ from typing import Any
 
 from distrun.plugin import listen_socket, serve_store
 
-__all__ = ["manager_server_on", "process_group_on"]
+__all__ = ["ForeignQuorum", "manager_server_on", "process_group_on"]
+
+
+class ForeignQuorum(RuntimeError):
+    """A quorum that lacks the process-group handles this torchft exchanges through the
+    lighthouse: the lighthouse, or a participant, runs another torchft (torchft reports no
+    version, on either side; a torchft==0.2.0 lighthouse, or client, is one that does this)."""
 
 
 def _hostport(address: str, port: int | str) -> str:
@@ -65,5 +71,15 @@ def process_group_on(address: str, timeout: timedelta) -> Any:
             return json.dumps({"id": self._handle_id(),
                                "store": _hostport(address, self._rendezvous_store.port),
                                "global_rank": self._global_rank})
+
+        def reconfigure(self, opts: Any) -> Any:
+            handles = list(opts.handles)
+            missing = sum(1 for h in handles if not h)
+            if missing or not handles:
+                raise ForeignQuorum(
+                    f"{missing or 'all'} of the {len(handles)} participants of the torchft "
+                    "quorum came without the process-group handle this torchft exchanges "
+                    "through the lighthouse")
+            return super().reconfigure(opts)
 
     return BoundProcessGroupGloo(timeout=timeout)

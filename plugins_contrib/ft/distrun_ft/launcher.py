@@ -273,6 +273,8 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
             group.kill()  # the rest of the group at once: its heartbeat stops with it
             group.reap()
             group.code = exit_code(code)
+            if group.code == 2:  # a usage error, said by the worker in one line: no restart
+                return 2
             if group.attempt >= budget or any(g.done for g in groups):
                 group.out_of_restarts = True
                 _say(f"replica group {group.index} lost (rank {rank} exited with code {code}); "

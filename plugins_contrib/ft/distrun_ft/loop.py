@@ -39,9 +39,16 @@ from distrun.plugin import (
     epoch_permutation,
     first_line,
 )
-from distrun_ft.launcher import ADDRESS_ENV, ATTEMPT_ENV, BARRIER_ENV, GROUPS_ENV, REPLICA_ENV
+from distrun_ft.launcher import (
+    ADDRESS_ENV,
+    ATTEMPT_ENV,
+    BARRIER_ENV,
+    GROUPS_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_ENV,
+)
 from distrun_ft.options import FtOptions
-from distrun_ft.settings import timeouts
+from distrun_ft.settings import TORCHFT_PIN, timeouts
 
 __all__ = ["FT", "FtState", "fit_ft", "is_saver", "share"]
 
@@ -210,6 +217,7 @@ def fit_ft(run: Any) -> Any:
     try:
         while manager.current_step() < total and not run.done:
             manager.start_quorum()
+            _refuse_a_foreign_quorum(run, manager, replica)
             state.replica_rank = manager.participating_rank() or 0
             state.participants = max(1, manager.num_participants())
             state.quorum_id = int(getattr(manager, "_quorum_id", -1))
@@ -265,6 +273,27 @@ def fit_ft(run: Any) -> Any:
         if own_group:
             dist.destroy_process_group()
     return run.progress
+
+
+def _refuse_a_foreign_quorum(run: Any, manager: Any, replica: int) -> None:
+    """One line and exit 2 when the quorum came from a lighthouse (or with a peer) of another
+    torchft: otherwise every step fails to configure the process group, and the run loops on
+    uncommitted steps. Rank 0 of this launcher's first group says it; the launcher stops the
+    rest (the others wait here for that, at most the quorum timeout)."""
+    from distrun_ft.binding import ForeignQuorum
+
+    why = manager.errored()
+    if why is None or not isinstance(why.original_exception, ForeignQuorum):
+        return
+    problem = UsageError(
+        f"the torchft lighthouse at {os.environ.get(LIGHTHOUSE_ENV, '?')} (or a replica group "
+        f"on another host) runs another torchft than this one ({TORCHFT_PIN}): "
+        f"{why.original_exception}; run the lighthouse and every host on the same torchft "
+        "(distrun starts the installed one's when --ft-lighthouse is left out)")
+    first = int(FtOptions.of(run.config).ft_first_replica)
+    if replica != first or run.strategy.rank != 0:
+        time.sleep(timeouts(run.config).quorum)
+    raise problem
 
 
 def _log(run: Any, loss: torch.Tensor, state: FtState) -> None:
