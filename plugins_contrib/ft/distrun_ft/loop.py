@@ -14,6 +14,9 @@ The loss of each rank is scaled so that the committed gradient is the mean over 
 global batch whatever the number of live groups: the effective batch and the learning rate
 do not change when a group drops (each live group takes a larger share of the same batch).
 
+With ``--ft-sync localsgd:N`` or ``diloco:N`` the groups meet every N steps instead
+(:mod:`distrun_ft.sync`).
+
 State a healing group takes from its peer: the model's and the optimizer's state dicts, the
 run's progress (step, epoch, samples) and torchft's own step; the data cursor is the committed
 step itself.
@@ -48,7 +51,8 @@ from distrun_ft.launcher import (
     REPLICA_ENV,
 )
 from distrun_ft.options import FtOptions
-from distrun_ft.settings import TORCHFT_PIN, timeouts
+from distrun_ft.settings import TORCHFT_PIN, sync_mode, timeouts
+from distrun_ft.sync import Window
 
 __all__ = ["FT", "FtState", "fit_ft", "is_saver", "share"]
 
@@ -118,7 +122,7 @@ def _unflatten(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
         at += n
 
 
-def _make_manager(run: Any, replica: int) -> Any:
+def _make_manager(run: Any, replica: int, extra: Any = None) -> Any:
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -129,12 +133,15 @@ def _make_manager(run: Any, replica: int) -> Any:
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "progress": run.progress.state_dict()}
+                "progress": run.progress.state_dict(),
+                "extra": extra.state_dict() if extra is not None else {}}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         run.progress.load_state_dict(state["progress"])
+        if extra is not None:
+            extra.load_state_dict(state.get("extra", {}))
 
     address = os.environ.get(ADDRESS_ENV, LOOPBACK)
     pg = process_group_on(address, timedelta(seconds=t.ft))
@@ -203,11 +210,13 @@ def fit_ft(run: Any) -> Any:
     if not cfg.debug:
         # torchft logs each peer failure with a traceback; the loop says it in one line
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
-    manager = _make_manager(run, replica)
+    mode, every = sync_mode(cfg)
+    window = Window(run, mode, every) if mode != "step" else None
+    manager = _make_manager(run, replica, window)
     state = run.stash[FT] = FtState(manager, replica)
     _meet(run, replica, timeouts(cfg).quorum)
-    if run.progress.step:
-        manager.load_state_dict({"step": run.progress.step, "batches_committed": 0})
+    if run.progress.step:  # torchft's step counts committed syncs
+        manager.load_state_dict({"step": run.progress.step // every, "batches_committed": 0})
     params = [p for p in run.model.parameters() if p.requires_grad]
     orders: dict[int, torch.Tensor] = {}
     # A restarted group waits for a live peer to heal from: alone, it would train the run
@@ -215,7 +224,7 @@ def fit_ft(run: Any) -> Any:
     replacement = int(os.environ.get(ATTEMPT_ENV, "0")) > 0 and \
         int(os.environ.get(GROUPS_ENV, "1")) > 1
     try:
-        while manager.current_step() < total and not run.done:
+        while run.progress.step < total and not run.done:
             manager.start_quorum()
             _refuse_a_foreign_quorum(run, manager, replica)
             state.replica_rank = manager.participating_rank() or 0
@@ -227,14 +236,24 @@ def fit_ft(run: Any) -> Any:
                     continue
                 replacement = False
                 _mark(f"joined-replica{replica}-attempt{os.environ.get(ATTEMPT_ENV)}")
-            step = manager.current_step()  # after a heal: the peers' step
-            epoch, within = divmod(step, per_epoch)
-            if epoch not in orders:
-                orders = {epoch: epoch_permutation(int(cfg.seed), epoch, len(data))}
-            ids = orders[epoch][within * batch:(within + 1) * batch]
-            lo, hi = share(batch, state.participants, state.replica_rank)
-            a, b = share(hi - lo, inner_world, inner_rank)
-            mine = ids[lo + a:lo + b].tolist()
+            step = run.progress.step  # after a heal: the peers' step
+
+            def samples(at: int) -> tuple[list[int], int]:
+                """This rank's sample ids of step ``at`` (0-based), and their epoch."""
+                epoch, within = divmod(at, per_epoch)
+                if epoch not in orders:
+                    orders.clear()
+                    orders[epoch] = epoch_permutation(int(cfg.seed), epoch, len(data))
+                ids = orders[epoch][within * batch:(within + 1) * batch]
+                lo, hi = share(batch, state.participants, state.replica_rank)
+                a, b = share(hi - lo, inner_world, inner_rank)
+                return ids[lo + a:lo + b].tolist(), epoch
+
+            if window is not None:
+                _train_window(run, manager, window, state, samples, collate, data, total,
+                              per_epoch, replica)
+                continue
+            mine, epoch = samples(step)
             run.progress.epoch = epoch
             run.optimizer.zero_grad(set_to_none=True)
             out = run.hook.distrun_training_step(run=run, batch=collate([data[i] for i in mine]))
@@ -273,6 +292,46 @@ def fit_ft(run: Any) -> Any:
         if own_group:
             dist.destroy_process_group()
     return run.progress
+
+
+def _train_window(run: Any, manager: Any, window: Window, state: FtState, samples: Any,
+                  collate: Any, data: Any, total: int, per_epoch: int, replica: int) -> None:
+    """One window of ``--ft-sync``: up to N local steps, then the sync (see distrun_ft.sync)."""
+    batch = int(run.config.batch_size)
+    inner_world = run.strategy.dp_world_size
+    start = run.progress.step
+    steps = min(window.every, total - start)
+    window.begin()
+    loss = torch.zeros(())
+    for at in range(start, start + steps):
+        mine, epoch = samples(at)
+        run.progress.epoch = epoch
+        run.optimizer.zero_grad(set_to_none=True)
+        out = run.hook.distrun_training_step(run=run, batch=collate([data[i] for i in mine]))
+        loss = out["loss"] if isinstance(out, dict) else out
+        # the mean over this group's share of the global batch (its strategy averages ranks)
+        lo, hi = share(batch, state.participants, state.replica_rank)
+        run.hook.distrun_backward(run=run, loss=loss * (len(mine) * inner_world / (hi - lo)))
+        run.hook.distrun_optimizer_step(run=run)
+        run.progress.step = at + 1
+    if not window.sync(manager):
+        window.rewind()
+        if run.strategy.rank == 0:
+            why = manager.errored()
+            run.log.warning("replica group %d: steps %d-%d not committed (%s); training them "
+                            "again with the next quorum", replica, start + 1, start + steps,
+                            first_line(why.original_exception) if why is not None
+                            else "a peer did not commit")
+        return
+    run.progress.samples += batch * steps
+    metrics = {"loss": loss.detach(), "ft_participants": state.participants,
+               "ft_quorum_id": state.quorum_id, "ft_replica_rank": state.replica_rank}
+    run.hook.distrun_on_step_end(run=run, step=run.progress.step, metrics=metrics)
+    _log(run, loss, state)
+    for ended in range(start // per_epoch, run.progress.step // per_epoch):
+        run.hook.distrun_on_epoch_end(run=run, epoch=ended)
+    if run.stop_signal is not None or run.stop_requested:
+        run.done = True
 
 
 def _refuse_a_foreign_quorum(run: Any, manager: Any, replica: int) -> None:

@@ -31,4 +31,9 @@ class FtOptions(PluginOptions, plugin="ft"):
         0, "the index of this launcher's first replica group, when launchers on several hosts "
         "share one --ft-lighthouse: give each host its own range (host k of N groups each: "
         "k*N), so the groups' ids, run folders and logs do not collide", min=0)
+    ft_sync: str = option(
+        "", "how often the groups sync, for slow links between them: every step (default: "
+        "the gradients, each step), localsgd:N (the weights averaged every N local steps) or "
+        "diloco:N (DiLoCo: every N local steps the averaged weight change, applied by an "
+        "outer Nesterov SGD)", metavar="MODE:N")
     ft_min_replicas: int = option(1, "replica groups a step needs to commit", min=1)

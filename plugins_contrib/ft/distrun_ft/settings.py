@@ -20,7 +20,8 @@ from urllib.parse import urlparse
 from distrun.plugin import UsageError, resolve_nproc
 from distrun_ft.options import FtOptions
 
-__all__ = ["Timeouts", "check_launch", "lighthouse_hostport", "timeouts", "TORCHFT_PIN"]
+__all__ = ["Timeouts", "check_launch", "lighthouse_hostport", "sync_mode", "timeouts",
+           "TORCHFT_PIN"]
 
 #: what ``pip install`` fixes a missing torchft with (the pin of pyproject.toml)
 TORCHFT_PIN = "torchft-nightly==2026.10.26"
@@ -49,6 +50,18 @@ def timeouts(config: Any) -> Timeouts:
             f"must outlast a cross-group one ({ft:g}s) and a quorum ({ft + h:g}s); use "
             f"--timeout {2 * (ft + h):g} or more, or a shorter --ft-heartbeat")
     return Timeouts(heartbeat=h, ft=ft, quorum=quorum, group=group, connect=min(group, 30.0))
+
+
+def sync_mode(config: Any) -> tuple[str, int]:
+    """``--ft-sync`` as (mode, N): ("step", 1), ("localsgd", N) or ("diloco", N)."""
+    text = str(FtOptions.of(config).ft_sync).strip()
+    if not text:
+        return "step", 1
+    mode, _, every = text.partition(":")
+    if mode not in ("localsgd", "diloco") or not every.isdigit() or int(every) < 1:
+        raise UsageError(f"--ft-sync {text!r} is not localsgd:N or diloco:N (N >= 1 local "
+                         "steps between syncs)")
+    return mode, int(every)
 
 
 def lighthouse_hostport(url: str) -> tuple[str, int]:
@@ -83,6 +96,12 @@ def check_launch(config: Any) -> None:
         raise UsageError(f"--ft-min-replicas {opts.ft_min_replicas} is more than "
                          f"--replica-groups {groups}: no step could ever commit")
     timeouts(config)
+    mode, every = sync_mode(config)
+    cadence = int(config.get("ckpt_every_n_steps", 0) or 0)
+    if mode != "step" and cadence % every:
+        raise UsageError(f"--ckpt-every-n-steps {cadence} is not a multiple of --ft-sync "
+                         f"{opts.ft_sync}: checkpoints are taken at syncs, where the groups' "
+                         f"weights agree; use a multiple of {every}")
     if opts.ft_lighthouse:
         host, port = lighthouse_hostport(opts.ft_lighthouse)
         try:
