@@ -1,12 +1,16 @@
 """Fault tolerance side by side: kill one of 3 replicas, restart everyone or keep going.
 
     python benchmarks/fault_tolerance.py            # 3 trials of each side
-    python benchmarks/fault_tolerance.py --trials 10
+    python benchmarks/fault_tolerance.py --trials 10 # the issue's run (about 30 minutes here)
+    python benchmarks/fault_tolerance.py --sides ft,restart
 
-Both sides train the tests' task (tests/contrib/ft/ft_task.py: a small MLP, 96 samples,
+Every side trains the tests' task (tests/contrib/ft/ft_task.py: a small MLP, 96 samples,
 global batch 48) for STEPS steps on 3 CPU processes with gloo; in the first life the victim
 SIGKILLs itself at step KILL (after writing the time):
 
+- ``torchrun``: plain DDP under ``torchrun --nproc-per-node 3 --max-restarts 1``, with a
+  ``torch.save`` checkpoint every CKPT steps reloaded after the restart, written by hand as a
+  torchrun user does (benchmarks/ft_torchrun_side.py; distrun not involved);
 - ``restart``: ``distrun run --nproc-per-node 3 --strategy ddp --max-restarts 1`` with a
   checkpoint every CKPT steps (distrun-elastic + distrun-safetensors): every rank restarts and
   resumes from the newest checkpoint (torchrun's recovery, as distrun does it);
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,9 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TASK_DIR = ROOT / "tests" / "contrib" / "ft"
 STEPS, KILL, CKPT, BATCH, HEARTBEAT = 600, 30, 10, 48, 1.0
+RUN_TIMEOUT = 180  # seconds: a run takes about 30 here; one that hangs is a failed trial
 COMMON = ["--batch-size", str(BATCH), "--max-epochs", "1000", "--max-steps", str(STEPS),
           "--seed", "3", "--timeout", "60", "--log-every-n-steps", "1", "--strategy", "ddp"]
+TORCHRUN = "torchrun"  # the side that is not a distrun command line
 SIDES = {
+    TORCHRUN: [],  # its command line: _command
     "restart": ["--nproc-per-node", "3", "--max-restarts", "1", "--ckpt-every-n-steps",
                 str(CKPT)],
     "ft": ["--ft", "--replica-groups", "3", "--nproc-per-node", "1", "--ft-heartbeat",
@@ -48,18 +56,37 @@ SIDES = {
 PLAIN = ["--nproc-per-node", "3"]
 
 
-def _run(args: list[str], folder: Path, kill: bool) -> tuple[int, float]:
+def _command(side: str, args: list[str], folder: Path) -> list[str]:
+    if side == TORCHRUN:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                "--max-restarts", "1", "--monitor-interval", "0.1", "--standalone",
+                str(ROOT / "benchmarks" / "ft_torchrun_side.py"), str(folder), str(STEPS),
+                str(BATCH), str(CKPT), "3"]
+    return [sys.executable, "-m", "distrun", "run", *COMMON, *args, "--run-dir",
+            str(folder / "run"), "ft_task:Task"]
+
+
+def _run(args: list[str], folder: Path, kill: bool, side: str = "") -> tuple[int, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTRUN_FT_", "TORCHFT_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(TASK_DIR), DISTRUN_PLUGINS="ft_task",
                FT_RECORD=str(folder), FT_STEP_SLEEP="0.02")
     if kill:
         env.update(FT_KILL_STEP=str(KILL), FT_KILL_VICTIM="1")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "distrun", "run", *COMMON, *args,
-                           "--run-dir", str(folder / "run"), "ft_task:Task"],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    # its own session, so a run that hangs goes whole (torchrun's workers included)
+    proc = subprocess.Popen(_command(side, args, folder), cwd=folder, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        print(f"{side or 'run'}: still running after {RUN_TIMEOUT} s, killed (a trial that "
+              "failed)", file=sys.stderr)
+        return -9, time.monotonic() - started
     if proc.returncode != 0:
-        print(proc.stderr[-2000:], file=sys.stderr)
+        print(err[-2000:], file=sys.stderr)
     return proc.returncode, time.monotonic() - started
 
 
@@ -129,29 +156,32 @@ def _steady(args: list[str], trials: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
-    trials = parser.parse_args().trials
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"which sides, comma-separated (default: {','.join(SIDES)})")
+    opts = parser.parse_args()
+    trials, sides = opts.trials, {s: SIDES[s] for s in opts.sides.split(",")}
     baseline = {}
-    for side, args in SIDES.items():
+    for side, args in sides.items():
         with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
-            code, _ = _run(args, Path(tmp), kill=False)
+            code, _ = _run(args, Path(tmp), kill=False, side=side)
             baseline[side] = _final_loss(Path(tmp)) if code == 0 else float("nan")
-    results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(trials):
-        for side, args in SIDES.items():  # alternate the sides trial by trial
+        for side, args in sides.items():  # alternate the sides trial by trial
             with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
-                code, _ = _run(args, Path(tmp), kill=True)
+                code, _ = _run(args, Path(tmp), kill=True, side=side)
                 if code == 0:
                     victim = (1, 0) if side == "ft" else (0, 1)
                     results[side].append(_measure(Path(tmp), victim))
     print(f"kill 1 of 3 replicas at step {KILL} of {STEPS} ({trials} trials a side; "
           f"--ft-heartbeat {HEARTBEAT:g}, restart checkpoints every {CKPT} steps)")
-    print(f"{'side':<8} {'ok':>5} {'steps lost':>10} {'stall s':>8} {'replacement s':>13} "
+    print(f"{'side':<9} {'ok':>5} {'steps lost':>10} {'stall s':>8} {'replacement s':>13} "
           f"{'final loss':>10} {'uninterrupted':>13}")
     for side, got in results.items():
         def med(key: str, got: list[dict[str, float]] = got) -> float:
             return statistics.median(r[key] for r in got) if got else float("nan")
 
-        print(f"{side:<8} {len(got):>2}/{trials:<2} {med('lost'):>10.0f} {med('stall'):>8.2f} "
+        print(f"{side:<9} {len(got):>2}/{trials:<2} {med('lost'):>10.0f} {med('stall'):>8.2f} "
               f"{med('replacement'):>13.2f} {med('loss'):>10.4f} {baseline[side]:>13.4f}")
     ft_rate, plain_rate = _steady(SIDES["ft"], 1), _steady(PLAIN, 1)
     print(f"steady state: --ft {ft_rate:.1f} steps/s, plain ddp {plain_rate:.1f} steps/s "
