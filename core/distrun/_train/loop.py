@@ -20,9 +20,9 @@ from distrun._spec.keys import UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
 from distrun._train import models
 from distrun._train.iterable import StreamCursor, stream_loader
-from distrun._train.manual import bind
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.optimizers import (
+    bind,
     build_optimizers,
     check_manual,
     is_manual,

@@ -23,23 +23,17 @@ import torch
 from distrun._spec.errors import UsageError
 from distrun._spec.stash import StashKey
 from distrun._train.models import params_of
-from distrun._train.optimizers import inner_optimizers
+from distrun._train.optimizers import RUN_ATTR, inner_optimizers
 
-__all__ = ["TaskOptimizer", "bind", "bound_run", "manual_backward", "manual_epoch_loop",
+__all__ = ["TaskOptimizer", "bound_run", "manual_backward", "manual_epoch_loop",
            "task_optimizers", "task_schedulers"]
 
-_RUN_ATTR = "_distrun_run"
 #: the TaskOptimizer of each of the run's optimizers (made on first use)
 _WRAPPED: StashKey[tuple[Any, list[TaskOptimizer]]] = StashKey("manual.optimizers")
 
 
-def bind(task: Any, run: Any) -> None:
-    """Let ``task.optimizers()`` and the like find the run that trains it."""
-    object.__setattr__(task, _RUN_ATTR, run)
-
-
 def bound_run(task: Any, what: str) -> Any:
-    run = getattr(task, _RUN_ATTR, None)
+    run = getattr(task, RUN_ATTR, None)
     if run is None or run.optimizer is None:
         raise UsageError(f"{type(task).__name__}.{what} is available once the trainer has set "
                          "the task up (in training_step and later), not before")
