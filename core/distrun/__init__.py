@@ -14,6 +14,7 @@ from distrun._version import __version__
 
 if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
+    from distrun._train.models import Models
     from distrun._train.run import Run
     from distrun._train.task import Task
     from distrun._train.trainer import Trainer
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 # plugin author needs is in :mod:`distrun.plugin`.
 __all__ = [
     "DistrunError",
+    "Models",
     "Run",
     "RunConfig",
     "Task",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Models": "distrun._train.models",
     "RunConfig": "distrun._config.run_config",
     "Run": "distrun._train.run",
     "Task": "distrun._train.task",

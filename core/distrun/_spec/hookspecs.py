@@ -300,7 +300,8 @@ def distrun_training_step(run: Run, batch: Any) -> torch.Tensor | None:
 def distrun_backward(run: Run, loss: torch.Tensor) -> bool | None:
     """Back-propagate ``loss`` (already divided by the accumulation count).
 
-    Every rank, every micro-batch. Stops at first non-None result; the core's implementation
+    Every rank, every micro-batch (under manual optimization: every
+    ``task.manual_backward(loss)``). Stops at first non-None result; the core's implementation
     calls ``run.strategy.backward(loss)``; a gradient scaler answers first when active.
     :return: True when handled.
     """
@@ -311,7 +312,9 @@ def distrun_optimizer_step(run: Run) -> bool | None:
     """Apply the optimizer step (gradients are complete on every rank).
 
     Every rank, every optimizer step. Stops at first non-None result; the core's
-    implementation clips gradients (``grad_clip``) and calls the strategy's step.
+    implementation clips gradients (``grad_clip``) and calls the strategy's step. Under
+    manual optimization the task's ``opt.step()`` calls it, with ``run.optimizer`` that
+    optimizer and ``run.model`` a module of its parameters for the call.
     :return: True when handled.
     """
 

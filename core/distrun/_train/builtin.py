@@ -54,6 +54,12 @@ def distrun_run_fit(run):
 
 @hookimpl
 def distrun_run_epoch(run, epoch):
+    from distrun._train.optimizers import is_manual
+
+    if is_manual(run.task):  # the task steps its optimizers (automatic_optimization = False)
+        from distrun._train.manual import manual_epoch_loop
+
+        return manual_epoch_loop(run, epoch)
     from distrun._train.loop import epoch_loop
 
     return epoch_loop(run, epoch)

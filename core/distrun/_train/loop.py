@@ -18,8 +18,16 @@ from distrun._registry.collect import choose_strategy, collect_strategies
 from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
+from distrun._train import models
 from distrun._train.iterable import StreamCursor, stream_loader
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
+from distrun._train.optimizers import (
+    bind,
+    build_optimizers,
+    check_manual,
+    is_manual,
+    wrap_optimizers,
+)
 from distrun._train.rng import seed_everything
 from distrun._train.run import Run
 from distrun._train.sampler import ResumableSampler, is_map_dataset
@@ -62,15 +70,17 @@ def setup_run(run: Run) -> None:
 
 
 def wrap_model(run: Run) -> None:
-    run.model = run.strategy.wrap_model(run.model)
+    run.model = models.wrap_model(run.strategy, run.model)  # each of a distrun.Models
     if run.config.compile:
         # In place (nn.Module.compile): the module and its state_dict keys stay as they were
         # (no `_orig_mod.`), and it compiles what the strategy made: DDP's module with its
         # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives.
-        run.model.compile()
+        models.compile_model(run.model)
 
 
 def build_optimizer(run: Run) -> None:
+    if run.optimizer is None and callable(getattr(run.task, "configure_optimizers", None)):
+        build_optimizers(run)  # Lightning's: several optimizers (and schedulers)
     if run.optimizer is None:
         made = run.task.configure_optimizer(run.model.parameters())
         if isinstance(made, Mapping):  # Lightning's {"optimizer": o, "lr_scheduler": s}
@@ -91,7 +101,9 @@ def build_optimizer(run: Run) -> None:
         sched = getattr(run.task, "configure_scheduler", None)
         if sched is not None and run.lr_scheduler is None:
             run.lr_scheduler = sched(run.optimizer)
-    run.optimizer = run.strategy.wrap_optimizer(run.optimizer)
+    run.optimizer = wrap_optimizers(run.strategy, run.optimizer)
+    check_manual(run)
+    bind(run.task, run)  # task.optimizers(), manual_backward(), lr_schedulers()
 
 
 def build_loaders(run: Run) -> None:
@@ -214,7 +226,7 @@ def fit_loop(run: Run) -> Any:
             if run.val_loader is not None and run.stash.get(_VALIDATED_AT) != run.progress.step:
                 validate(run)  # (unless val_every_n_steps just did, at this step)
             run.progress.epoch += 1
-            if run.schedulers:
+            if run.schedulers and not is_manual(run.task):  # (manual: the task steps them)
                 step_schedulers(run.schedulers, "epoch", run.progress.epoch, run.metrics)
             if run.sampler is not None:
                 run.sampler.set_epoch(run.progress.epoch)
@@ -387,7 +399,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
             batch = to_device(batch, st.device)
             micro_in_step += 1
             boundary = micro_in_step == accum or last
-            ctx = st.no_sync(model) if not boundary else _NULL
+            ctx = models.no_sync(st, model) if not boundary else _NULL
             with ctx:
                 loss = training_step(run=run, batch=batch)
                 if not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping):
@@ -475,15 +487,16 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
 
     def done(summed: torch.Tensor) -> None:
         loss_sum, micro, samples = summed[:3].tolist()
-        if micro == 0:
+        if micro == 0 and samples == 0:
             return
         metrics = {
-            "loss": loss_sum / micro,
             # ranks of one data-parallel replica (TP) saw the same samples: count them once
             "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
             "epoch": epoch,
             "step": float(step),
         }
+        if micro:  # (a manual step may return no loss)
+            metrics = {"loss": loss_sum / micro, **metrics}
         if lr is not None:
             metrics["lr"] = lr
         if summed.numel() > 3:

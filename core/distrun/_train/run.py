@@ -206,8 +206,11 @@ class Run:
         return self.strategy.device
 
     def unwrapped_model(self) -> torch.nn.Module:
-        """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded)."""
-        return self.strategy.unwrap_model(self.model)
+        """The user's module without DDP/DP wrappers (FSDP/TP modules stay sharded); for a
+        ``distrun.Models``, a container of each model unwrapped."""
+        from distrun._train.models import unwrap
+
+        return unwrap(self.strategy, self.model)
 
     def add_hooks(self, plugin: Any) -> None:
         """Register ``plugin``'s hook implementations for this fit only; unregistered at

@@ -24,6 +24,11 @@ class Task:
     iterable of batches (used as-is on each rank: your code shards it).
     """
 
+    #: False: ``training_step`` steps the optimizers itself (``self.optimizers()``,
+    #: ``self.manual_backward(loss)``, ``opt.step()``), as Lightning's manual optimization;
+    #: needed for several optimizers (``configure_optimizers``). See distrun._train.manual.
+    automatic_optimization: bool = True
+
     def configure_model(self) -> Any:
         raise NotImplementedError("Task.configure_model() must return an nn.Module")
 
@@ -61,6 +66,28 @@ class Task:
         """Outputs for a batch, one row per sample (default: ``model(batch)``, or
         ``model(batch[0])`` for a tuple or list)."""
         return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    # manual optimization (automatic_optimization = False) ------------------------------
+    def optimizers(self) -> Any:
+        """The run's optimizer (a list when ``configure_optimizers`` returned several), each
+        stepped through the run: ``opt.step()`` unscales and clips (``--grad-clip``)."""
+        from distrun._train.manual import task_optimizers
+
+        return task_optimizers(self)
+
+    def lr_schedulers(self) -> Any:
+        """The run's schedulers (None, one, or a list); under manual optimization the task
+        steps them. Their states are checkpointed either way."""
+        from distrun._train.manual import task_schedulers
+
+        return task_schedulers(self)
+
+    def manual_backward(self, loss: Any) -> None:
+        """``loss.backward()`` as the run does it: scaled by a GradScaler (16-mixed), the
+        gradients synced by the strategy."""
+        from distrun._train.manual import manual_backward
+
+        manual_backward(self, loss)
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce: str = "mean") -> None:
