@@ -14,6 +14,7 @@ from distrun._version import __version__
 
 if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
+    from distrun._train.callbacks import Callback
     from distrun._train.run import Run
     from distrun._train.task import Task
     from distrun._train.trainer import Trainer
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 # The users' API. ``hookimpl`` is here because a Task may implement hooks itself; what a
 # plugin author needs is in :mod:`distrun.plugin`.
 __all__ = [
+    "Callback",
     "DistrunError",
     "Run",
     "RunConfig",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Callback": "distrun._train.callbacks",
     "RunConfig": "distrun._config.run_config",
     "Run": "distrun._train.run",
     "Task": "distrun._train.task",

@@ -214,6 +214,7 @@ def fit_loop(run: Run) -> Any:
             if run.val_loader is not None and run.stash.get(_VALIDATED_AT) != run.progress.step:
                 validate(run)  # (unless val_every_n_steps just did, at this step)
             run.progress.epoch += 1
+            run.progress.batch_idx = 0
             if run.schedulers:
                 step_schedulers(run.schedulers, "epoch", run.progress.epoch, run.metrics)
             if run.sampler is not None:
@@ -397,6 +398,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
             if run.sampler is not None:
                 run.sampler.advance()
             run.progress.micro_step += 1
+            run.progress.batch_idx += 1
             window.add_loss(loss)
             window.micro += 1
             window.samples += local_batch if local_batch is not None else batch_len(batch)

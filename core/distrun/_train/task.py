@@ -10,7 +10,10 @@ from typing import Any
 
 from distrun._spec.errors import UsageError
 
-__all__ = ["Task", "load_task"]
+__all__ = ["RUN_ATTRIBUTE", "Task", "load_task"]
+
+#: where a run leaves a weak reference to itself on its task (read by :attr:`Task.trainer`)
+RUN_ATTRIBUTE = "_distrun_run"
 
 
 class Task:
@@ -61,6 +64,37 @@ class Task:
         """Outputs for a batch, one row per sample (default: ``model(batch)``, or
         ``model(batch[0])`` for a tuple or list)."""
         return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    # -- where the run is (Lightning's ``self.trainer``, ``self.current_epoch`` ...) ---------
+    @property
+    def trainer(self) -> Any:
+        """The :class:`distrun.Run` this task is in (``current_epoch``, ``global_step``,
+        ``callback_metrics``, ``should_stop``, ``config``, ``strategy`` ...); None outside."""
+        ref = getattr(self, RUN_ATTRIBUTE, None)
+        return ref() if ref is not None else None
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (from 0)."""
+        return self._progress("epoch")
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done so far in the run (resumed runs count on)."""
+        return self._progress("step")
+
+    @property
+    def batch_idx(self) -> int:
+        """The index in its epoch of the micro-batch a ``training_step`` is given."""
+        return self._progress("batch_idx")
+
+    @property
+    def global_rank(self) -> int:
+        return int(os.environ.get("RANK", "0")) if self.trainer is None else self.trainer.rank
+
+    def _progress(self, name: str) -> int:
+        run = self.trainer
+        return 0 if run is None else int(getattr(run.progress, name))
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce: str = "mean") -> None:

@@ -82,7 +82,9 @@ class Trainer:
     """Train and evaluate a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
 
     Keyword arguments are run-config fields and plugin options; flags, ``DISTRUN_*`` variables
-    and the ``--config`` file of ``distrun run`` take precedence over them.
+    and the ``--config`` file of ``distrun run`` take precedence over them. ``callbacks`` are
+    objects (see :mod:`distrun._train.callbacks`): plugins with ``@hookimpl`` methods, or
+    objects with Lightning's method names; each is registered as a plugin for the session.
 
     After :meth:`fit`, :meth:`validate`, :meth:`test` and :meth:`predict` run in the same
     processes on the trained model (the process group stays up until :meth:`close`, another
@@ -95,10 +97,14 @@ class Trainer:
     _open: ClassVar[Trainer | None] = None
 
     def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
-                 plugin_manager: Any = None, **options: Any) -> None:
+                 plugin_manager: Any = None, callbacks: Any = (), **options: Any) -> None:
+        from distrun._train.callbacks import as_plugins
+
         self._config = config
         self._options = options
         self._plugins = plugins
+        #: the callback objects as plugins (registered for each session, unregistered at close)
+        self._callbacks = as_plugins(callbacks or ())
         #: this trainer's plugins (built from the environment's settings on first use:
         #: entry points, DISTRUN_PLUGINS, DISTRUN_BLOCK_PLUGINS); never a process global
         self._pm = plugin_manager
@@ -133,6 +139,9 @@ class Trainer:
         if Trainer._open is self:
             Trainer._open = None
             atexit.unregister(self.close)
+        for plugin in self._callbacks:
+            if self._pm is not None and self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
         try:
             if run is not None and run.strategy is not None:
                 run.strategy.teardown()
@@ -168,7 +177,7 @@ class Trainer:
                 self._pm = (self._config.pluginmanager if self._config is not None else None) \
                     or make_plugin_manager()
             pm = self._pm
-            for plugin in self._plugins:
+            for plugin in (*self._plugins, *self._callbacks):
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
             config = self._config or worker_config(pm, self._options)

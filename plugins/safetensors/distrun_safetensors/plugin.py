@@ -8,11 +8,11 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl
 from distrun_safetensors.options import CheckpointOptions
+from distrun_safetensors.session import _KEY, _checkpointer, _opts, ckpt_dir
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "safetensors"
-_KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
 _LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic seconds
 _BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-monitor
 #: the nodes' view of the checkpoint folder, once checked: "" shared (or one node), else the
@@ -28,28 +28,6 @@ def distrun_register_options(register):
 @hookimpl
 def distrun_resume_words():
     return {"best": "the best checkpoint --ckpt-monitor kept"}
-
-
-def _opts(run: Any) -> CheckpointOptions:
-    return CheckpointOptions.of(run.config)
-
-
-def _checkpointer(run: Any) -> Any:
-    state = run.stash.get(_KEY)
-    if state is None:
-        from distrun_safetensors.save import Checkpointer
-
-        cfg = _opts(run)
-        state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
-                             split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
-                             async_save=cfg.ckpt_async,
-                             rdzv_generation=run.generation)
-        run.stash[_KEY] = state
-    return state
-
-
-def ckpt_dir(run: Any) -> str:
-    return _opts(run).ckpt_dir or os.path.join(run.run_dir, "checkpoints")
 
 
 def _check_storage(run: Any) -> None:
@@ -103,17 +81,22 @@ def distrun_save_checkpoint(run, reason):
         saver.on_written = lambda stats: run.log.info(
             "Checkpoint %s written in the background in %.2f s", stats["path"],
             stats["write_s"])
+    from distrun_safetensors.callback import owners
+
+    held_released = owners(run, saver, reason)
     record = retention = None
     best = run.stash.get(_BEST)
     if best is not None:
         record, retention = best.before_save(saver, run.progress.step, reason)
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
                       run.state_dict(), reason=reason, info=info, record=record,
-                      retention=retention)
+                      retention=retention, owners=held_released)
     run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
         stats = saver.stats
-        if stats.get("tagged"):
+        if stats.get("reused"):
+            pass  # already saved at this step (by another checkpoint callback, the cadence)
+        elif stats.get("tagged"):
             run.log.info("Checkpoint %s (%s): already saved at this step; its manifest now "
                          "records %s=%.6g", path, reason, record["name"], record["value"])
         elif stats.get("write_s") is None:  # async: training goes on while it is written
@@ -141,6 +124,11 @@ def distrun_load_checkpoint(run, source):
     if result is None:
         return None
     run.load_state_dict(result.state)
+    if os.path.dirname(os.path.abspath(result.path)) == os.path.abspath(ckpt_dir(run)) \
+            and run.progress.step == result.step:
+        # this run's checkpoint of this very step: a save before the next step (the end of a
+        # fit that had nothing left, a checkpoint callback) names it instead of rewriting it
+        _checkpointer(run).last = (result.step, result.path)
     return result.path
 
 
@@ -204,7 +192,7 @@ class Cadence:
     def __init__(self, every: int, seconds: float) -> None:
         self.every, self.seconds = every, seconds
 
-    @hookimpl
+    @hookimpl(trylast=True)  # after the step's other hooks: their state is saved as it ends
     def distrun_on_step_end(self, run, step):
         due = bool(self.every) and step % self.every == 0
         if self.seconds and not due:
