@@ -19,6 +19,7 @@ from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
 from distrun._train.iterable import StreamCursor, stream_loader
+from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.rng import seed_everything
 from distrun._train.run import Run
@@ -46,6 +47,7 @@ def setup_run(run: Run) -> None:
     run.hook.distrun_setup_strategy(run=run)
     if not run.strategy.trains:
         return  # a serving rank (RPC parameter server): nothing to build here
+    set_deterministic(run)
     seed_everything(run.config.seed)
     run.model = run.task.configure_model()
     if not isinstance(run.model, torch.nn.Module):
@@ -114,12 +116,16 @@ def build_loaders(run: Run) -> None:
                                          **common)
     elif is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
-                                       seed=cfg.seed)
+                                       seed=cfg.seed, shuffle=not cfg.overfit_batches,
+                                       limit=train_limit(cfg))
         run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
     else:
         run.train_loader = data
     if hasattr(run.train_loader, "state_dict") and hasattr(run.train_loader, "load_state_dict"):
         run.stash[STREAM] = StreamCursor(run.train_loader)  # a stateful loader: resumable
+    if cfg.overfit_batches and data is not None and is_map_dataset(data):
+        run.val_loader = eval_loader(run, overfit_val_data(run, data))
+        return
     run.val_loader = eval_loader(run, run.task.val_data() if hasattr(run.task, "val_data")
                                  else None)
 

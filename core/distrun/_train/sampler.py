@@ -50,7 +50,7 @@ class ResumableSampler:
     """
 
     def __init__(self, dataset_len: int, batch_size: int, dp_rank: int, dp_world: int,
-                 seed: int = 0, shuffle: bool = True) -> None:
+                 seed: int = 0, shuffle: bool = True, limit: int = 0) -> None:
         self.local_batch = local_batch_size(batch_size, dp_world)
         if dataset_len < batch_size:
             raise UsageError(
@@ -65,14 +65,17 @@ class ResumableSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.cursor = 0
+        #: where an epoch ends: the whole dataset, or ``limit`` micro-batches
+        #: (``--limit-train-batches``, ``--overfit-batches``)
+        self.stop = min(self.n, limit * batch_size) if limit else self.n
 
     def __len__(self) -> int:
         """Micro-batches left in this epoch from the cursor."""
-        return (self.n - self.cursor) // self.batch_size
+        return max(self.stop - self.cursor, 0) // self.batch_size
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size
+        return self.stop // self.batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
@@ -81,7 +84,7 @@ class ResumableSampler:
             order = list(range(self.n))
         lo = self.dp_rank * self.local_batch
         # a list, converted once an epoch: slicing it costs far less per batch than a tensor
-        for start in range(self.cursor, self.n - self.batch_size + 1, self.batch_size):
+        for start in range(self.cursor, self.stop - self.batch_size + 1, self.batch_size):
             yield order[start + lo:start + lo + self.local_batch]
 
     def advance(self) -> None:

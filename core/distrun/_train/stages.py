@@ -76,9 +76,12 @@ def _data(run: Run, name: str) -> Any:
     return fn() if fn is not None else None
 
 
-def evaluate(run: Run, stage: str = "validate") -> dict[str, float]:
+def evaluate(run: Run, stage: str = "validate", limit: int | None = None) -> dict[str, float]:
     """Run ``validation_step`` / ``test_step`` over the stage's data; metrics reduced over
-    ranks as sample-weighted means (``val_*`` / ``test_*``)."""
+    ranks as sample-weighted means (``val_*`` / ``test_*``). ``limit``: the first batches
+    only (default: ``--limit-val-batches`` for validation)."""
+    if limit is None:
+        limit = run.config.limit_val_batches if stage == "validate" else 0
     data_name, step_name, prefix = _EVAL[stage]
     step_fn = getattr(run.task, step_name, None)
     if step_fn is None and stage == "test":
@@ -95,6 +98,8 @@ def evaluate(run: Run, stage: str = "validate") -> dict[str, float]:
     model.eval()
     with torch.no_grad(), logging_to(target):
         for i, batch in enumerate(loader):
+            if limit and i >= limit:
+                break
             batch = to_device(batch, st.device)
             target.weight = float(real[i] if real is not None else batch_len(batch))
             out = step_fn(model, batch)

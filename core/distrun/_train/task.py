@@ -65,6 +65,40 @@ class Task:
         ``model(batch[0])`` for a tuple or list)."""
         return model(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
+    def save_hyperparameters(self, *names: str, **values: Any) -> None:
+        """Record hyperparameters as ``self.hparams`` (Lightning's ``save_hyperparameters``).
+
+        Called in ``__init__`` with no arguments it takes every argument of that
+        ``__init__``; ``names`` pick some of them, ``values`` add others. They must be JSON
+        values. Rank 0 writes them to ``RUN_DIR/hparams.json`` when the run starts, and each
+        checkpoint holds them (state ``hparams``)."""
+        import inspect
+        import json
+
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        found: dict[str, Any] = {}
+        if caller is not None and caller.f_code.co_name == "__init__":
+            args = inspect.getargvalues(caller)
+            for name in args.args[1:]:
+                found[name] = args.locals[name]
+            if args.keywords:
+                found.update(args.locals[args.keywords])
+        del frame, caller
+        if names:
+            missing = [n for n in names if n not in found]
+            if missing:
+                raise UsageError(f"save_hyperparameters({', '.join(map(repr, names))}): "
+                                 f"{', '.join(missing)} is not an argument of __init__")
+            found = {n: found[n] for n in names}
+        found.update(values)
+        try:
+            json.dumps(found)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"save_hyperparameters: the values must be JSON values ({exc}); "
+                             "pass the plain ones by name") from None
+        self.hparams: dict[str, Any] = {**getattr(self, "hparams", {}), **found}
+
     # -- where the run is (Lightning's ``self.trainer``, ``self.current_epoch`` ...) ---------
     @property
     def trainer(self) -> Any:

@@ -180,7 +180,9 @@ class Trainer:
             for plugin in (*self._plugins, *self._callbacks):
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
-            config = self._config or worker_config(pm, self._options)
+            from distrun._train.limits import apply_fast_dev_run
+
+            config = apply_fast_dev_run(self._config or worker_config(pm, self._options))
             check_consumed(pm, collect_options(pm), config)
             if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
                 self._locks = lock_run_folders(config, collect_options(pm), run_key())
@@ -259,6 +261,9 @@ class Trainer:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
         run.done = run.stop_requested = False  # a second fit of this session starts afresh
         run.hook.distrun_on_fit_start(run=run)
+        from distrun._train.limits import sanity_check
+
+        sanity_check(run)
         run.stash[_TRAINING] = True
         run.hook.distrun_run_fit(run=run)
         if run.stop_signal is not None and run.done:

@@ -78,7 +78,8 @@ class ModelCheckpoint:
     # -- when to save -----------------------------------------------------------------------
     def maybe_save(self, run: Any, value: float | None) -> str | None:
         """Save the current step when ``value`` is among the k best (every rank together)."""
-        if self.save_top_k == 0 or getattr(run, "stage", "fit") != "fit" or run.model is None:
+        if self.save_top_k == 0 or getattr(run, "stage", "fit") != "fit" or run.model is None \
+                or run.config.fast_dev_run:
             return None
         step = run.progress.step
         if value is None:

@@ -44,8 +44,9 @@ def _check_storage(run: Any) -> None:
         unshared = "" if found is None else _unshared_line(run, found.describe())
         run.stash[_UNSHARED] = unshared
         cfg = _opts(run)
-        wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_save_on_end
-                 or cfg.ckpt_monitor or run.config.resume != "never")
+        wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_monitor
+                 or (cfg.ckpt_save_on_end and not _end_save_by_default(run))
+                 or run.config.resume != "never")
         if unshared and (run.generation > 0 or wants):
             from distrun.plugin import UsageError
 
@@ -54,6 +55,12 @@ def _check_storage(run: Any) -> None:
         from distrun.plugin import UsageError
 
         raise UsageError(unshared)
+
+
+def _end_save_by_default(run: Any) -> bool:
+    """The save at the end is on only because it is the default (no flag, key or variable
+    asked for it)."""
+    return "ckpt_save_on_end" not in run.config.sources
 
 
 def _unshared_line(run: Any, why: str) -> str:
@@ -144,6 +151,8 @@ def distrun_on_fit_start(run):
         for path in sweep_stale(ckpt_dir(run), timeout=run.config.timeout):
             run.log.info("Removed %s, left by a save that did not finish", path)
     opts = _opts(run)
+    if run.config.fast_dev_run:
+        return  # a smoke test saves nothing
     every, seconds = opts.ckpt_every_n_steps, opts.ckpt_every_n_seconds
     if every or seconds:  # a run without a save cadence has no per-step hook of ours
         run.add_hooks(Cadence(every, seconds))
@@ -217,8 +226,13 @@ def _time_due(run: Any, seconds: float) -> bool:
 
 @hookimpl
 def distrun_on_fit_end(run):
-    if _opts(run).ckpt_save_on_end:
-        run.save_checkpoint("end")
+    if _opts(run).ckpt_save_on_end and not run.config.fast_dev_run:
+        if run.stash.get(_UNSHARED) and _end_save_by_default(run):
+            if run.is_global_zero:  # only the default asked for it: not worth failing over
+                run.log.warning("warning: no checkpoint of the last step: %s",
+                                run.stash[_UNSHARED])
+        else:
+            run.save_checkpoint("end")
     saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()

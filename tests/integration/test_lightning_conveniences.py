@@ -1,0 +1,130 @@
+"""What a LightningModule reaches for, on 2 gloo ranks in one launch: the trainer, epoch,
+step and batch index from the task; save_hyperparameters; a checkpoint of the last step by
+default; limit_train_batches, overfit_batches and fast_dev_run; the sanity validation pass;
+--deterministic."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+pytest.importorskip("distrun_safetensors")
+pytestmark = pytest.mark.timeout(600)
+
+COMMON = dict(batch_size=4, seed=0, summary=False)
+
+
+def _weights(run):
+    return {k: v.detach().clone() for k, v in run.unwrapped_model().state_dict().items()}
+
+
+def rank_conveniences(rank, world, root):
+    from lm_task import Recording
+
+    from distrun import Trainer
+    from distrun_safetensors import load_checkpoint
+
+    out = {}
+    # the defaults: 2 epochs of 4 steps, a sanity pass of 2 batches, the last step saved
+    task = Recording(lr=0.1, hidden=6)
+    run = Trainer(max_epochs=2, run_dir=f"{root}/plain", **COMMON).fit(task)
+    out["steps"] = [s[:3] for s in task.steps]
+    out["same_trainer"] = task.same_trainer
+    out["val_calls"] = task.val_calls
+    out["ckpts"] = sorted(os.listdir(f"{root}/plain/checkpoints"))
+    loaded = load_checkpoint(f"{root}/plain/checkpoints/step-8",
+                             Recording(hidden=6).configure_model())
+    out["ckpt_hparams"] = loaded.state.get("hparams")
+    out["hparams"] = task.hparams
+    plain = _weights(run)
+    # the sanity pass leaves the random state as it was: the same weights without it
+    quiet = Recording(lr=0.1, hidden=6)
+    run = Trainer(max_epochs=2, run_dir=f"{root}/nosanity", num_sanity_val_steps=0,
+                  ckpt_save_on_end=False, **COMMON).fit(quiet)
+    out["nosanity_val_calls"] = quiet.val_calls
+    out["same_weights"] = all(torch.equal(v, _weights(run)[k]) for k, v in plain.items())
+    out["nosanity_ckpts"] = os.path.exists(f"{root}/nosanity/checkpoints")
+    # limit_train_batches: 3 micro-batches an epoch
+    limited = Recording()
+    Trainer(max_epochs=2, run_dir=f"{root}/limit", limit_train_batches=3, limit_val_batches=1,
+            num_sanity_val_steps=0, **COMMON).fit(limited)
+    out["limit_steps"] = [s[:3] for s in limited.steps]
+    out["limit_val_calls"] = limited.val_calls
+    # overfit_batches: the same 2 batches, unshuffled, every epoch; validated on them
+    over = Recording()
+    Trainer(max_epochs=3, run_dir=f"{root}/overfit", overfit_batches=2, num_sanity_val_steps=0,
+            **COMMON).fit(over)
+    out["overfit_samples"] = [s[3] for s in over.steps]
+    out["overfit_val_calls"] = over.val_calls
+    # fast_dev_run: 2 steps of one epoch, 2 validation batches, no checkpoint
+    fast = Recording()
+    Trainer(max_epochs=5, run_dir=f"{root}/fast", fast_dev_run=2, **COMMON).fit(fast)
+    out["fast_steps"] = [s[:3] for s in fast.steps]
+    out["fast_val_calls"] = fast.val_calls
+    out["fast_ckpts"] = os.path.exists(f"{root}/fast/checkpoints")
+    # --deterministic (process-wide in torch: the last of these runs)
+    det = Recording()
+    Trainer(max_epochs=1, run_dir=f"{root}/det", deterministic=True, num_sanity_val_steps=0,
+            ckpt_save_on_end=False, **COMMON).fit(det)
+    out["deterministic"] = (task.deterministic[0], det.deterministic[0])
+    return out
+
+
+def test_what_a_lightning_module_reaches_for(tmp_path):
+    results = run_on_ranks(rank_conveniences, 2, str(tmp_path), init_process_group=True,
+                           timeout=300)
+    r = results[0]
+    # (epoch, global_step, batch_idx) at each training_step: the step is the one being made
+    assert r["steps"] == [(e, e * 4 + i, i) for e in (0, 1) for i in range(4)]
+    assert r["same_trainer"]
+    # 16 validation samples on 2 ranks at 2 a batch: 4 batches a rank; 2 of them first (the
+    # sanity pass, at step 0), then after each epoch
+    assert r["val_calls"] == [0, 0] + [4] * 4 + [8] * 4
+    assert r["nosanity_val_calls"] == [4] * 4 + [8] * 4
+    assert r["same_weights"]  # dropout drew the same masks with and without the sanity pass
+    # the last step is saved by default; --no-ckpt-save-on-end saves none
+    assert r["ckpts"] == [".generation", "latest", "step-8"]
+    assert r["nosanity_ckpts"] is False
+    # save_hyperparameters: every __init__ argument, in hparams.json and in the checkpoint
+    want = {"lr": 0.1, "hidden": 6, "broken_val": False}
+    assert r["hparams"] == want and r["ckpt_hparams"] == want
+    assert json.loads((tmp_path / "plain" / "hparams.json").read_text()) == want
+    assert r["limit_steps"] == [(e, e * 3 + i, i) for e in (0, 1) for i in range(3)]
+    assert r["limit_val_calls"] == [3, 6]
+    # overfit_batches=2: global batches 0-3 and 4-7 of the data, in order, every epoch; this
+    # rank (0) holds the first half of each
+    assert r["overfit_samples"] == [[0, 1], [4, 5]] * 3
+    assert results[1]["overfit_samples"] == [[2, 3], [6, 7]] * 3
+    assert r["overfit_val_calls"] == [2, 2, 4, 4, 6, 6]  # 8 samples: 2 batches of 2 a rank
+    assert r["fast_steps"] == [(0, 0, 0), (0, 1, 1)]
+    assert r["fast_val_calls"] == [2, 2] and r["fast_ckpts"] is False
+    assert r["deterministic"] == (False, True)
+
+
+def rank_broken_validation(rank, world, root):
+    from lm_task import Recording
+
+    from distrun import Trainer
+
+    task = Recording(broken_val=True)
+    try:
+        Trainer(max_epochs=1, run_dir=f"{root}/broken", debug=True, **COMMON).fit(task)
+    except ValueError as exc:
+        return str(exc), len(task.steps)
+    return None, len(task.steps)
+
+
+@pytest.mark.slow
+def test_the_sanity_pass_fails_a_broken_validation_step_before_training(tmp_path):
+    results = run_on_ranks(rank_broken_validation, 2, str(tmp_path), init_process_group=True,
+                           timeout=300)
+    assert results == [("validation_step is broken", 0)] * 2
