@@ -1,7 +1,7 @@
 """What a LightningModule reaches for, on 2 gloo ranks in one launch: the trainer, epoch,
 step and batch index from the task; save_hyperparameters; a checkpoint of the last step by
-default; limit_train_batches, overfit_batches and fast_dev_run; the sanity validation pass;
---deterministic."""
+default; limit_train_batches, overfit_batches, fast_dev_run and drop_last; the sanity
+validation pass; --deterministic."""
 
 from __future__ import annotations
 
@@ -71,6 +71,14 @@ def rank_conveniences(rank, world, root):
     out["fast_steps"] = [s[:3] for s in fast.steps]
     out["fast_val_calls"] = fast.val_calls
     out["fast_ckpts"] = os.path.exists(f"{root}/fast/checkpoints")
+    # drop_last: 16 samples in global batches of 6 drop the tail of 4 by default; without it
+    # the tail is trained, filled up with the epoch's first 2 samples
+    for drop in (True, False):
+        task = Recording()
+        Trainer(max_epochs=1, run_dir=f"{root}/drop{int(drop)}", drop_last=drop,
+                num_sanity_val_steps=0, ckpt_save_on_end=False,
+                **{**COMMON, "batch_size": 6}).fit(task)
+        out[f"drop_last={drop}"] = [s[3] for s in task.steps]
     # --deterministic (process-wide in torch: the last of these runs)
     det = Recording()
     Trainer(max_epochs=1, run_dir=f"{root}/det", deterministic=True, num_sanity_val_steps=0,
@@ -107,6 +115,11 @@ def test_what_a_lightning_module_reaches_for(tmp_path):
     assert r["overfit_val_calls"] == [2, 2, 4, 4, 6, 6]  # 8 samples: 2 batches of 2 a rank
     assert r["fast_steps"] == [(0, 0, 0), (0, 1, 1)]
     assert r["fast_val_calls"] == [2, 2] and r["fast_ckpts"] is False
+    kept = {k: [r[k], results[1][k]] for k in ("drop_last=True", "drop_last=False")}
+    assert [len(steps) for steps in kept["drop_last=True"]] == [2, 2]
+    assert [len(steps) for steps in kept["drop_last=False"]] == [3, 3]
+    seen = [i for steps in kept["drop_last=False"] for batch in steps for i in batch]
+    assert len(seen) == 18 and sorted(set(seen)) == list(range(16))
     assert r["deterministic"] == (False, True)
 
 

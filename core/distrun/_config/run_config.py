@@ -128,6 +128,9 @@ class RunConfig:
     grad_clip: float = _opt(0.0, "clip the gradient norm to this value (0: off)", min=0)
     val_every_n_steps: int = _opt(0, "validate every N steps (0: at each epoch end)", min=0)
     log_every_n_steps: int = _opt(10, "reduce and log metrics every N steps", min=1)
+    drop_last: bool = _opt(True, "skip the tail of an epoch that does not fill a global batch "
+                                 "(--no-drop-last: train it, filled up with the epoch's first "
+                                 "samples)")
     limit_train_batches: int = _opt(0, "train on the first N micro-batches of each epoch "
                                        "(0: all)", min=0)
     limit_val_batches: int = _opt(0, "validate on the first N batches of each rank (0: all)",

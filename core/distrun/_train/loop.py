@@ -117,7 +117,7 @@ def build_loaders(run: Run) -> None:
     elif is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
                                        seed=cfg.seed, shuffle=not cfg.overfit_batches,
-                                       limit=train_limit(cfg))
+                                       limit=train_limit(cfg), drop_last=cfg.drop_last)
         run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
     else:
         run.train_loader = data
