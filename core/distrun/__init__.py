@@ -15,6 +15,7 @@ from distrun._version import __version__
 if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
     from distrun._train.callbacks import Callback
+    from distrun._train.datamodule import DataModule
     from distrun._train.run import Run
     from distrun._train.task import Task
     from distrun._train.trainer import Trainer
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 # plugin author needs is in :mod:`distrun.plugin`.
 __all__ = [
     "Callback",
+    "DataModule",
     "DistrunError",
     "Run",
     "RunConfig",
@@ -40,6 +42,7 @@ __all__ = [
 
 _LAZY = {
     "Callback": "distrun._train.callbacks",
+    "DataModule": "distrun._train.datamodule",
     "RunConfig": "distrun._config.run_config",
     "Run": "distrun._train.run",
     "Task": "distrun._train.task",

@@ -57,3 +57,25 @@ class Recording(distrun.Task):
             raise ValueError("validation_step is broken")
         x, y = batch
         return F.mse_loss(model(x[:, 1:]), y)
+
+
+class Shared(distrun.DataModule):
+    """Data for several tasks: samples numbered from 100, so a step says where it came from."""
+
+    def __init__(self) -> None:
+        self.prepared = 0
+        self.stages: list[str] = []
+
+    def prepare_data(self) -> None:
+        self.prepared += 1
+
+    def setup(self, stage: str) -> None:
+        self.stages.append(stage)
+
+    def train_data(self) -> Any:
+        d = data(8, 2)
+        d.tensors[0][:, 0] += 100
+        return d
+
+    def val_data(self) -> Any:
+        return data(4, 3)

@@ -79,6 +79,16 @@ def rank_conveniences(rank, world, root):
                 num_sanity_val_steps=0, ckpt_save_on_end=False,
                 **{**COMMON, "batch_size": 6}).fit(task)
         out[f"drop_last={drop}"] = [s[3] for s in task.steps]
+    # a DataModule two tasks share: its data wins over the tasks'; prepare_data once a node
+    from lm_task import Shared
+
+    shared, first, second = Shared(), Recording(), Recording()
+    for i, t in enumerate((first, second)):
+        Trainer(max_epochs=1, run_dir=f"{root}/dm{i}", num_sanity_val_steps=0,
+                ckpt_save_on_end=False, **COMMON).fit(t, datamodule=shared)
+    out["dm"] = {"prepared": shared.prepared, "stages": shared.stages,
+                 "samples": [sorted(i for s in t.steps for i in s[3]) for t in (first, second)],
+                 "val_calls": [len(t.val_calls) for t in (first, second)]}
     # --deterministic (process-wide in torch: the last of these runs)
     det = Recording()
     Trainer(max_epochs=1, run_dir=f"{root}/det", deterministic=True, num_sanity_val_steps=0,
@@ -120,6 +130,13 @@ def test_what_a_lightning_module_reaches_for(tmp_path):
     assert [len(steps) for steps in kept["drop_last=False"]] == [3, 3]
     seen = [i for steps in kept["drop_last=False"] for batch in steps for i in batch]
     assert len(seen) == 18 and sorted(set(seen)) == list(range(16))
+    # rank 0 of 2 on one node: prepare_data there only, setup everywhere; the shared data
+    # (8 samples from 100, 2 steps) and its 4 validation samples (1 batch a rank)
+    assert [x["dm"]["prepared"] for x in results] == [2, 0]
+    assert [x["dm"]["stages"] for x in results] == [["fit", "fit"]] * 2
+    assert [x["dm"]["val_calls"] for x in results] == [[1, 1]] * 2
+    mine = [set(x["dm"]["samples"][0]) for x in results]
+    assert mine[0] | mine[1] == set(range(100, 108)) and not mine[0] & mine[1]
     assert r["deterministic"] == (False, True)
 
 

@@ -18,6 +18,7 @@ from distrun._registry.collect import choose_strategy, collect_strategies
 from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
+from distrun._train.datamodule import data_of, prepare
 from distrun._train.iterable import StreamCursor, stream_loader
 from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
@@ -98,7 +99,8 @@ def build_optimizer(run: Run) -> None:
 
 def build_loaders(run: Run) -> None:
     cfg, st = run.config, run.strategy
-    collate = getattr(run.task, "collate_fn", None)
+    prepare(run)
+    collate = data_of(run, "collate_fn")
     # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
     # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
     common: dict[str, Any] = dict(num_workers=cfg.num_workers, collate_fn=collate,
@@ -108,7 +110,7 @@ def build_loaders(run: Run) -> None:
     if "fit" not in cfg.stage.split(","):
         data = None  # an evaluation session: no training data to read
     else:
-        data = run.task.train_data()
+        data = data_of(run, "train_data")
     if data is None:
         pass
     elif isinstance(data, torch.utils.data.IterableDataset):
@@ -126,8 +128,7 @@ def build_loaders(run: Run) -> None:
     if cfg.overfit_batches and data is not None and is_map_dataset(data):
         run.val_loader = eval_loader(run, overfit_val_data(run, data))
         return
-    run.val_loader = eval_loader(run, run.task.val_data() if hasattr(run.task, "val_data")
-                                 else None)
+    run.val_loader = eval_loader(run, data_of(run, "val_data"))
 
 
 # -- the loop ------------------------------------------------------------------------------

@@ -118,6 +118,8 @@ class Run:
         self.results: dict[str, Any] = {}
         self.stash = Stash()
         self.resumed_from: str | None = None
+        #: the DataModule the stages read data from before the task (``fit(task, datamodule=)``)
+        self.datamodule: Any = None
         self._scoped: list[Any] = []
         try:  # the task's ``self.trainer`` (weak: the task does not keep its run alive)
             task._distrun_run = weakref.ref(self)

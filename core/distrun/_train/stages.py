@@ -41,9 +41,11 @@ def eval_loader(run: Run, data: Any) -> Any:
     cfg, st = run.config, run.strategy
     local = max(1, cfg.batch_size // st.dp_world_size)
     sampler = ShardedEvalSampler(len(data), local, st.dp_rank, st.dp_world_size)
+    from distrun._train.datamodule import data_of
+
     return torch.utils.data.DataLoader(
         data, batch_sampler=sampler, num_workers=cfg.num_workers,
-        collate_fn=getattr(run.task, "collate_fn", None), pin_memory=st.device.type == "cuda")
+        collate_fn=data_of(run, "collate_fn"), pin_memory=st.device.type == "cuda")
 
 
 def _real_sizes(loader: Any) -> list[int] | None:
@@ -72,8 +74,10 @@ def _loader_for(run: Run, stage: str) -> Any:
 
 
 def _data(run: Run, name: str) -> Any:
-    fn = getattr(run.task, name, None)
-    return fn() if fn is not None else None
+    from distrun._train.datamodule import data_of, prepare
+
+    prepare(run)
+    return data_of(run, name)
 
 
 def evaluate(run: Run, stage: str = "validate", limit: int | None = None) -> dict[str, float]:

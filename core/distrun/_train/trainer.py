@@ -112,26 +112,30 @@ class Trainer:
         self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
 
     # -- the stages -------------------------------------------------------------------------
-    def fit(self, task: Any) -> Run:
+    def fit(self, task: Any, datamodule: Any = None) -> Run:
         """Run the stages ``--stage`` names (``fit`` by default) and return the :class:`Run`;
-        each stage's result is in ``run.results[stage]``."""
-        run = self._session(task)
+        each stage's result is in ``run.results[stage]``. ``datamodule``: a
+        :class:`distrun.DataModule` whose data methods win over the task's."""
+        run = self._session(task, datamodule=datamodule)
         for stage in run.config.stage.split(","):
             self._stage(run, stage)
         return run
 
-    def validate(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def validate(self, task: Any = None, ckpt_path: str | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
         """Validation metrics (``val_*``), reduced over ranks, on every rank."""
-        return cast(dict, self._one(task, "validate", ckpt_path))
+        return cast(dict, self._one(task, "validate", ckpt_path, datamodule))
 
-    def test(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def test(self, task: Any = None, ckpt_path: str | None = None,
+             datamodule: Any = None) -> dict[str, float]:
         """Test metrics (``test_*``) over ``task.test_data()``, reduced over ranks."""
-        return cast(dict, self._one(task, "test", ckpt_path))
+        return cast(dict, self._one(task, "test", ckpt_path, datamodule))
 
-    def predict(self, task: Any = None, ckpt_path: str | None = None) -> Any:
+    def predict(self, task: Any = None, ckpt_path: str | None = None,
+                datamodule: Any = None) -> Any:
         """``predict_step`` outputs over ``task.predict_data()`` in dataset order (or, with
         ``predictions="write"``, the folder of each rank's files)."""
-        return self._one(task, "predict", ckpt_path)
+        return self._one(task, "predict", ckpt_path, datamodule)
 
     def close(self) -> None:
         """End the session: the strategy tears down (the process group it made is destroyed)."""
@@ -156,14 +160,16 @@ class Trainer:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _one(self, task: Any, stage: str, ckpt_path: str | None) -> Any:
-        run = self._session(task, stage)
+    def _one(self, task: Any, stage: str, ckpt_path: str | None, datamodule: Any = None) -> Any:
+        run = self._session(task, stage, datamodule)
         self._stage(run, stage, ckpt_path)
         return run.results.get(stage)
 
-    def _session(self, task: Any, stage: str | None = None) -> Run:
+    def _session(self, task: Any, stage: str | None = None, datamodule: Any = None) -> Run:
         """The open run for ``task`` (None: the last one), or a new one set up for it."""
         if self._run is not None and (task is None or task is self._run.task):
+            if datamodule is not None:
+                self._run.datamodule = datamodule
             return self._run
         if task is None:
             raise UsageError(f"Trainer.{stage}() needs the task: trainer.{stage}(task) (or fit "
@@ -199,6 +205,7 @@ class Trainer:
             self._run = Run(config, task, pm)
         except DistrunError as exc:
             _exit_on_error(exc, debug=config.debug)
+        self._run.datamodule = datamodule
         Trainer._open = self
         # closed at exit, before the interpreter finalizes (see worker.py)
         atexit.register(self.close)
