@@ -79,3 +79,22 @@ class Shared(distrun.DataModule):
 
     def val_data(self) -> Any:
         return data(4, 3)
+
+
+class Block(nn.Module):
+    """A block that counts its forwards (activation checkpointing runs it again in backward)."""
+
+    calls = 0
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(3, hidden), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        return self.drop(torch.tanh(self.lin(x)))
+
+
+class Blocky(Recording):
+    def configure_model(self) -> nn.Module:
+        return nn.Sequential(Block(self.hparams["hidden"]), nn.Linear(self.hparams["hidden"], 1))

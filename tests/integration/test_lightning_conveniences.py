@@ -1,7 +1,7 @@
 """What a LightningModule reaches for, on 2 gloo ranks in one launch: the trainer, epoch,
 step and batch index from the task; save_hyperparameters; a checkpoint of the last step by
 default; limit_train_batches, overfit_batches, fast_dev_run and drop_last; the sanity
-validation pass; --deterministic."""
+validation pass; a DataModule; activation checkpointing; --deterministic."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def rank_conveniences(rank, world, root):
     out["dm"] = {"prepared": shared.prepared, "stages": shared.stages,
                  "samples": [sorted(i for s in t.steps for i in s[3]) for t in (first, second)],
                  "val_calls": [len(t.val_calls) for t in (first, second)]}
+    # activation checkpointing: the block runs again in each backward, and trains the same
+    from lm_task import Block, Blocky
+
+    ac = {}
+    for names in ("", "Block"):
+        Block.calls = 0
+        run = Trainer(max_epochs=1, run_dir=f"{root}/ac{names}", activation_checkpointing=names,
+                      num_sanity_val_steps=0, ckpt_save_on_end=False, **COMMON).fit(Blocky())
+        ac[names] = (Block.calls, _weights(run))
+    out["ac_calls"] = [ac[""][0], ac["Block"][0]]
+    out["ac_same"] = all(torch.equal(v, ac["Block"][1][k]) for k, v in ac[""][1].items())
+    out["ac_keys"] = sorted(ac["Block"][1]) == sorted(ac[""][1])
     # --deterministic (process-wide in torch: the last of these runs)
     det = Recording()
     Trainer(max_epochs=1, run_dir=f"{root}/det", deterministic=True, num_sanity_val_steps=0,
@@ -137,6 +149,8 @@ def test_what_a_lightning_module_reaches_for(tmp_path):
     assert [x["dm"]["val_calls"] for x in results] == [[1, 1]] * 2
     mine = [set(x["dm"]["samples"][0]) for x in results]
     assert mine[0] | mine[1] == set(range(100, 108)) and not mine[0] & mine[1]
+    # 4 steps and 4 validation batches: 8 forwards; with it, 4 more in the backward passes
+    assert r["ac_calls"] == [8, 12] and r["ac_same"] and r["ac_keys"]
     assert r["deterministic"] == (False, True)
 
 

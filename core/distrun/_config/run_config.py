@@ -141,6 +141,10 @@ class RunConfig:
                                 "epoch, no sanity pass, no checkpoints (0: off)", min=0)
     num_sanity_val_steps: int = _opt(2, "validation batches run before training to catch a "
                                         "broken validation_step early (0: off)", min=0)
+    activation_checkpointing: str = _opt(
+        "", "recompute the activations of the submodules of these classes in the backward "
+            "pass, e.g. TransformerEncoderLayer (less memory, one more forward each)",
+        metavar="CLASS[,CLASS]")
     deterministic: bool = _opt(False, "torch's deterministic algorithms (slower on CUDA; an "
                                       "op without a deterministic version raises)")
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)

@@ -65,6 +65,13 @@ def setup_run(run: Run) -> None:
 
 
 def wrap_model(run: Run) -> None:
+    if run.config.activation_checkpointing:
+        from distrun._train.activation_ckpt import apply_activation_checkpointing
+
+        count = apply_activation_checkpointing(run.model, run.config.activation_checkpointing)
+        if run.is_global_zero:
+            log.info("Activation checkpointing: %d modules recompute their activations in "
+                     "the backward pass", count)
     run.model = run.strategy.wrap_model(run.model)
     if run.config.compile:
         # In place (nn.Module.compile): the module and its state_dict keys stay as they were
