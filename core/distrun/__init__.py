@@ -14,6 +14,8 @@ from distrun._version import __version__
 
 if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
+    from distrun._train.callbacks import Callback
+    from distrun._train.datamodule import DataModule
     from distrun._train.models import Models
     from distrun._train.run import Run
     from distrun._train.task import Task
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 # The users' API. ``hookimpl`` is here because a Task may implement hooks itself; what a
 # plugin author needs is in :mod:`distrun.plugin`.
 __all__ = [
+    "Callback",
+    "DataModule",
     "DistrunError",
     "Models",
     "Run",
@@ -39,6 +43,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Callback": "distrun._train.callbacks",
+    "DataModule": "distrun._train.datamodule",
     "Models": "distrun._train.models",
     "RunConfig": "distrun._config.run_config",
     "Run": "distrun._train.run",

@@ -98,7 +98,10 @@ def test_hooks_fire_in_documented_order(recorded):
     assert sum(r["hook"] == "distrun_training_step" for r in recs if r["rank"] == 0) == 10
     assert re.search(r"on_step_end log_metrics", body)
     assert re.search(r"run_validation on_validation_end log_metrics", body)
-    assert seq[-3:] == ["run_fit:end", "on_fit_end", "teardown"], seq
+    # the fit ended normally: the checkpoint plugin saves its last step (the default)
+    assert seq[-5:] == ["run_fit:end", "on_fit_end", "save_checkpoint", "state_dict",
+                        "teardown"], seq
+    assert [r["reason"] for r in recs if r["hook"] == "distrun_save_checkpoint"] == ["end"]
     # max_steps stops mid-epoch: the epoch returns, the rest of the window is logged and a
     # final validation runs, all inside run_fit.
     assert re.search(r"run_epoch:end log_metrics run_validation on_validation_end log_metrics "

@@ -128,6 +128,25 @@ class RunConfig:
     grad_clip: float = _opt(0.0, "clip the gradient norm to this value (0: off)", min=0)
     val_every_n_steps: int = _opt(0, "validate every N steps (0: at each epoch end)", min=0)
     log_every_n_steps: int = _opt(10, "reduce and log metrics every N steps", min=1)
+    drop_last: bool = _opt(True, "skip the tail of an epoch that does not fill a global batch "
+                                 "(--no-drop-last: train it, filled up with the epoch's first "
+                                 "samples)")
+    limit_train_batches: int = _opt(0, "train on the first N micro-batches of each epoch "
+                                       "(0: all)", min=0)
+    limit_val_batches: int = _opt(0, "validate on the first N batches of each rank (0: all)",
+                                  min=0)
+    overfit_batches: int = _opt(0, "train and validate on the same N first batches, "
+                                   "unshuffled, every epoch (0: off)", min=0)
+    fast_dev_run: int = _opt(0, "a smoke test: N training and N validation batches, one "
+                                "epoch, no sanity pass, no checkpoints (0: off)", min=0)
+    num_sanity_val_steps: int = _opt(2, "validation batches run before training to catch a "
+                                        "broken validation_step early (0: off)", min=0)
+    activation_checkpointing: str = _opt(
+        "", "recompute the activations of the submodules of these classes in the backward "
+            "pass, e.g. TransformerEncoderLayer (less memory, one more forward each)",
+        metavar="CLASS[,CLASS]")
+    deterministic: bool = _opt(False, "torch's deterministic algorithms (slower on CUDA; an "
+                                      "op without a deterministic version raises)")
     num_workers: int = _opt(0, "DataLoader worker processes per rank", min=0)
     device: str = _opt("auto", "device type", choices=("auto", "cpu", "cuda"))
     backend: str = _opt("auto", "communication backend: a name (gloo, nccl, mpi, or one a "

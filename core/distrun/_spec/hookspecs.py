@@ -396,7 +396,8 @@ def distrun_save_checkpoint(run: Run, reason: str) -> str | None:
     Called by ``run.save_checkpoint(reason)`` on every rank together (cadence, preemption, end,
     user request). Stops at first non-None result: exactly one checkpoint plugin answers.
 
-    :param reason: ``"step"``, ``"epoch"``, ``"preempt"``, ``"end"`` or ``"user"``.
+    :param reason: ``"step"``, ``"epoch"``, ``"preempt"``, ``"end"``, ``"user"``, ``"best"``
+        or ``"callback"`` (a checkpoint callback object's).
     :return: the path of the committed checkpoint.
     """
 

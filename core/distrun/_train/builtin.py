@@ -36,6 +36,11 @@ def distrun_setup_data(run):
 
 @hookimpl
 def distrun_on_fit_start(run):
+    hparams = getattr(run.task, "hparams", None)
+    if run.is_global_zero and isinstance(hparams, dict) and hparams and run.run_dir:
+        from distrun._train.hparams import write_hparams
+
+        write_hparams(run.run_dir, hparams)
     if run.is_global_zero and run.config.summary:
         from distrun._train.summary import model_summary
 
@@ -99,6 +104,9 @@ def distrun_state_dict(run) -> dict[str, Any]:
     from distrun._train.rng import rng_state
 
     state: dict[str, Any] = {"progress": run.progress.state_dict(), "rng": rng_state()}
+    hparams = getattr(run.task, "hparams", None)
+    if isinstance(hparams, dict) and hparams:
+        state["hparams"] = dict(hparams)
     if run.sampler is not None:
         state["sampler"] = run.sampler.state_dict()
     if run.schedulers:

@@ -19,10 +19,11 @@ from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
 from distrun._train import models
+from distrun._train.datamodule import data_of, prepare
 from distrun._train.iterable import StreamCursor, stream_loader
+from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.optimizers import (
-    bind,
     build_optimizers,
     check_manual,
     is_manual,
@@ -54,6 +55,7 @@ def setup_run(run: Run) -> None:
     run.hook.distrun_setup_strategy(run=run)
     if not run.strategy.trains:
         return  # a serving rank (RPC parameter server): nothing to build here
+    set_deterministic(run)
     seed_everything(run.config.seed)
     run.model = run.task.configure_model()
     if not isinstance(run.model, torch.nn.Module):
@@ -70,6 +72,13 @@ def setup_run(run: Run) -> None:
 
 
 def wrap_model(run: Run) -> None:
+    if run.config.activation_checkpointing:
+        from distrun._train.activation_ckpt import apply_activation_checkpointing
+
+        count = apply_activation_checkpointing(run.model, run.config.activation_checkpointing)
+        if run.is_global_zero:
+            log.info("Activation checkpointing: %d modules recompute their activations in "
+                     "the backward pass", count)
     run.model = models.wrap_model(run.strategy, run.model)  # each of a distrun.Models
     if run.config.compile:
         # In place (nn.Module.compile): the module and its state_dict keys stay as they were
@@ -103,12 +112,12 @@ def build_optimizer(run: Run) -> None:
             run.lr_scheduler = sched(run.optimizer)
     run.optimizer = wrap_optimizers(run.strategy, run.optimizer)
     check_manual(run)
-    bind(run.task, run)  # task.optimizers(), manual_backward(), lr_schedulers()
 
 
 def build_loaders(run: Run) -> None:
     cfg, st = run.config, run.strategy
-    collate = getattr(run.task, "collate_fn", None)
+    prepare(run)
+    collate = data_of(run, "collate_fn")
     # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
     # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
     common: dict[str, Any] = dict(num_workers=cfg.num_workers, collate_fn=collate,
@@ -118,7 +127,7 @@ def build_loaders(run: Run) -> None:
     if "fit" not in cfg.stage.split(","):
         data = None  # an evaluation session: no training data to read
     else:
-        data = run.task.train_data()
+        data = data_of(run, "train_data")
     if data is None:
         pass
     elif isinstance(data, torch.utils.data.IterableDataset):
@@ -126,14 +135,17 @@ def build_loaders(run: Run) -> None:
                                          **common)
     elif is_map_dataset(data):
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
-                                       seed=cfg.seed)
+                                       seed=cfg.seed, shuffle=not cfg.overfit_batches,
+                                       limit=train_limit(cfg), drop_last=cfg.drop_last)
         run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
     else:
         run.train_loader = data
     if hasattr(run.train_loader, "state_dict") and hasattr(run.train_loader, "load_state_dict"):
         run.stash[STREAM] = StreamCursor(run.train_loader)  # a stateful loader: resumable
-    run.val_loader = eval_loader(run, run.task.val_data() if hasattr(run.task, "val_data")
-                                 else None)
+    if cfg.overfit_batches and data is not None and is_map_dataset(data):
+        run.val_loader = eval_loader(run, overfit_val_data(run, data))
+        return
+    run.val_loader = eval_loader(run, data_of(run, "val_data"))
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -226,6 +238,7 @@ def fit_loop(run: Run) -> Any:
             if run.val_loader is not None and run.stash.get(_VALIDATED_AT) != run.progress.step:
                 validate(run)  # (unless val_every_n_steps just did, at this step)
             run.progress.epoch += 1
+            run.progress.batch_idx = 0
             if run.schedulers and not is_manual(run.task):  # (manual: the task steps them)
                 step_schedulers(run.schedulers, "epoch", run.progress.epoch, run.metrics)
             if run.sampler is not None:
@@ -409,6 +422,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
             if run.sampler is not None:
                 run.sampler.advance()
             run.progress.micro_step += 1
+            run.progress.batch_idx += 1
             window.add_loss(loss)
             window.micro += 1
             window.samples += local_batch if local_batch is not None else batch_len(batch)

@@ -23,7 +23,8 @@ import torch
 from distrun._spec.errors import UsageError
 from distrun._spec.stash import StashKey
 from distrun._train.models import params_of
-from distrun._train.optimizers import RUN_ATTR, inner_optimizers
+from distrun._train.optimizers import inner_optimizers
+from distrun._train.task import RUN_ATTRIBUTE
 
 __all__ = ["TaskOptimizer", "bound_run", "manual_backward", "manual_epoch_loop",
            "task_optimizers", "task_schedulers"]
@@ -33,7 +34,8 @@ _WRAPPED: StashKey[tuple[Any, list[TaskOptimizer]]] = StashKey("manual.optimizer
 
 
 def bound_run(task: Any, what: str) -> Any:
-    run = getattr(task, RUN_ATTR, None)
+    ref = getattr(task, RUN_ATTRIBUTE, None)  # the run keeps a weak reference there
+    run = ref() if ref is not None else None
     if run is None or run.optimizer is None:
         raise UsageError(f"{type(task).__name__}.{what} is available once the trainer has set "
                          "the task up (in training_step and later), not before")

@@ -27,17 +27,8 @@ import torch
 
 from distrun._spec.errors import UsageError
 
-__all__ = ["RUN_ATTR", "OptimizerGroup", "bind", "build_optimizers", "check_manual", "inner_optimizers",
+__all__ = ["OptimizerGroup", "build_optimizers", "check_manual", "inner_optimizers",
            "is_manual", "wrap_optimizers"]
-
-
-#: the task's attribute that holds the run training it (``bind``)
-RUN_ATTR = "_distrun_run"
-
-
-def bind(task: Any, run: Any) -> None:
-    """Let ``task.optimizers()`` and the like (:mod:`.manual`) find the run that trains it."""
-    object.__setattr__(task, RUN_ATTR, run)
 
 
 class OptimizerGroup:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distrun._launch.generation import read_generation
 from distrun._spec.errors import EXIT_REQUEUE
 from distrun._spec.stash import Stash
+from distrun._train.task import RUN_ATTRIBUTE
 
 if TYPE_CHECKING:
     import pluggy
@@ -35,15 +37,17 @@ class Progress:
     step: int = 0
     micro_step: int = 0
     samples: int = 0
+    #: the index of the micro-batch in this epoch the loop is at (Lightning's ``batch_idx``)
+    batch_idx: int = 0
     #: ``time.monotonic()`` at the last step boundary (not saved): how long a failure waited
     step_started: float = field(default_factory=time.monotonic, compare=False)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step": self.step, "micro_step": self.micro_step,
-                "samples": self.samples}
+                "samples": self.samples, "batch_idx": self.batch_idx}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("epoch", "step", "micro_step", "samples"):
+        for key in ("epoch", "step", "micro_step", "samples", "batch_idx"):
             setattr(self, key, int(state.get(key, 0)))
 
 
@@ -115,7 +119,13 @@ class Run:
         self.results: dict[str, Any] = {}
         self.stash = Stash()
         self.resumed_from: str | None = None
+        #: the DataModule the stages read data from before the task (``fit(task, datamodule=)``)
+        self.datamodule: Any = None
         self._scoped: list[Any] = []
+        try:  # the task's ``self.trainer`` (weak: the task does not keep its run alive)
+            setattr(task, RUN_ATTRIBUTE, weakref.ref(self))
+        except (AttributeError, TypeError):  # a task that takes no attributes
+            pass
 
     # -- fixed for the session ------------------------------------------------------------
     @property
@@ -179,6 +189,32 @@ class Run:
     @stop_signal.setter
     def stop_signal(self, value: int | None) -> None:
         self.state.stop_signal = value
+
+    # -- Lightning's names for the same things (a ported callback reads these) ---------------
+    @property
+    def current_epoch(self) -> int:
+        return self.state.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.state.progress.step
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        return self.state.metrics
+
+    @property
+    def should_stop(self) -> bool:
+        return self.state.stop_requested or self.state.done
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        if value:
+            self.request_stop()
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
 
     # -- topology, from the strategy once it is set up (torchrun's env before that) --------
     @property

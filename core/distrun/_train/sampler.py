@@ -5,7 +5,9 @@ Global batches of ``batch_size`` samples are cut from it in order; data-parallel
 ``W`` takes the ``r``-th contiguous ``batch_size / W`` of each. Progress is one number, the
 global sample cursor within the epoch, so a resume at any world size continues from the same
 global sample, and the mean gradient of a step is the same at every world size.
-The tail of an epoch that does not fill a global batch is skipped (``drop_last``).
+The tail of an epoch that does not fill a global batch is skipped (``drop_last``), or, with
+``drop_last=False``, filled up with the epoch's first samples and trained (as torch's
+``DistributedSampler`` pads).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class ResumableSampler:
     """
 
     def __init__(self, dataset_len: int, batch_size: int, dp_rank: int, dp_world: int,
-                 seed: int = 0, shuffle: bool = True) -> None:
+                 seed: int = 0, shuffle: bool = True, limit: int = 0,
+                 drop_last: bool = True) -> None:
         self.local_batch = local_batch_size(batch_size, dp_world)
         if dataset_len < batch_size:
             raise UsageError(
@@ -65,23 +68,31 @@ class ResumableSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.cursor = 0
+        #: the epoch's length in samples: the dataset, padded to whole global batches when
+        #: the tail is kept (``drop_last=False``)
+        self.total = self.n if drop_last else self.n + (-self.n) % batch_size
+        #: where an epoch ends: all of it, or ``limit`` micro-batches
+        #: (``--limit-train-batches``, ``--overfit-batches``)
+        self.stop = min(self.total, limit * batch_size) if limit else self.total
 
     def __len__(self) -> int:
         """Micro-batches left in this epoch from the cursor."""
-        return (self.n - self.cursor) // self.batch_size
+        return max(self.stop - self.cursor, 0) // self.batch_size
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size
+        return self.stop // self.batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
             order = epoch_permutation(self.seed, self.epoch, self.n).tolist()
         else:
             order = list(range(self.n))
+        if self.total > self.n:
+            order = order + order[:self.total - self.n]
         lo = self.dp_rank * self.local_batch
         # a list, converted once an epoch: slicing it costs far less per batch than a tensor
-        for start in range(self.cursor, self.n - self.batch_size + 1, self.batch_size):
+        for start in range(self.cursor, self.stop - self.batch_size + 1, self.batch_size):
             yield order[start + lo:start + lo + self.local_batch]
 
     def advance(self) -> None:

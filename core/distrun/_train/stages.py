@@ -41,9 +41,11 @@ def eval_loader(run: Run, data: Any) -> Any:
     cfg, st = run.config, run.strategy
     local = max(1, cfg.batch_size // st.dp_world_size)
     sampler = ShardedEvalSampler(len(data), local, st.dp_rank, st.dp_world_size)
+    from distrun._train.datamodule import data_of
+
     return torch.utils.data.DataLoader(
         data, batch_sampler=sampler, num_workers=cfg.num_workers,
-        collate_fn=getattr(run.task, "collate_fn", None), pin_memory=st.device.type == "cuda")
+        collate_fn=data_of(run, "collate_fn"), pin_memory=st.device.type == "cuda")
 
 
 def _real_sizes(loader: Any) -> list[int] | None:
@@ -72,13 +74,18 @@ def _loader_for(run: Run, stage: str) -> Any:
 
 
 def _data(run: Run, name: str) -> Any:
-    fn = getattr(run.task, name, None)
-    return fn() if fn is not None else None
+    from distrun._train.datamodule import data_of, prepare
+
+    prepare(run)
+    return data_of(run, name)
 
 
-def evaluate(run: Run, stage: str = "validate") -> dict[str, float]:
+def evaluate(run: Run, stage: str = "validate", limit: int | None = None) -> dict[str, float]:
     """Run ``validation_step`` / ``test_step`` over the stage's data; metrics reduced over
-    ranks as sample-weighted means (``val_*`` / ``test_*``)."""
+    ranks as sample-weighted means (``val_*`` / ``test_*``). ``limit``: the first batches
+    only (default: ``--limit-val-batches`` for validation)."""
+    if limit is None:
+        limit = run.config.limit_val_batches if stage == "validate" else 0
     data_name, step_name, prefix = _EVAL[stage]
     step_fn = getattr(run.task, step_name, None)
     if step_fn is None and stage == "test":
@@ -95,6 +102,8 @@ def evaluate(run: Run, stage: str = "validate") -> dict[str, float]:
     model.eval()
     with torch.no_grad(), logging_to(target):
         for i, batch in enumerate(loader):
+            if limit and i >= limit:
+                break
             batch = to_device(batch, st.device)
             target.weight = float(real[i] if real is not None else batch_len(batch))
             out = step_fn(model, batch)

@@ -10,7 +10,10 @@ from typing import Any
 
 from distrun._spec.errors import UsageError
 
-__all__ = ["Task", "load_task"]
+__all__ = ["RUN_ATTRIBUTE", "Task", "load_task"]
+
+#: where a run leaves a weak reference to itself on its task (read by :attr:`Task.trainer`)
+RUN_ATTRIBUTE = "_distrun_run"
 
 
 class Task:
@@ -88,6 +91,71 @@ class Task:
         from distrun._train.manual import manual_backward
 
         manual_backward(self, loss)
+
+    def save_hyperparameters(self, *names: str, **values: Any) -> None:
+        """Record hyperparameters as ``self.hparams`` (Lightning's ``save_hyperparameters``).
+
+        Called in ``__init__`` with no arguments it takes every argument of that
+        ``__init__``; ``names`` pick some of them, ``values`` add others. They must be JSON
+        values. Rank 0 writes them to ``RUN_DIR/hparams.json`` when the run starts, and each
+        checkpoint holds them (state ``hparams``)."""
+        import inspect
+        import json
+
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        found: dict[str, Any] = {}
+        if caller is not None and caller.f_code.co_name == "__init__":
+            args = inspect.getargvalues(caller)
+            for name in args.args[1:]:
+                found[name] = args.locals[name]
+            if args.keywords:
+                found.update(args.locals[args.keywords])
+        del frame, caller
+        if names:
+            missing = [n for n in names if n not in found]
+            if missing:
+                raise UsageError(f"save_hyperparameters({', '.join(map(repr, names))}): "
+                                 f"{', '.join(missing)} is not an argument of __init__")
+            found = {n: found[n] for n in names}
+        found.update(values)
+        try:
+            json.dumps(found)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"save_hyperparameters: the values must be JSON values ({exc}); "
+                             "pass the plain ones by name") from None
+        self.hparams: dict[str, Any] = {**getattr(self, "hparams", {}), **found}
+
+    # -- where the run is (Lightning's ``self.trainer``, ``self.current_epoch`` ...) ---------
+    @property
+    def trainer(self) -> Any:
+        """The :class:`distrun.Run` this task is in (``current_epoch``, ``global_step``,
+        ``callback_metrics``, ``should_stop``, ``config``, ``strategy`` ...); None outside."""
+        ref = getattr(self, RUN_ATTRIBUTE, None)
+        return ref() if ref is not None else None
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (from 0)."""
+        return self._progress("epoch")
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done so far in the run (resumed runs count on)."""
+        return self._progress("step")
+
+    @property
+    def batch_idx(self) -> int:
+        """The index in its epoch of the micro-batch a ``training_step`` is given."""
+        return self._progress("batch_idx")
+
+    @property
+    def global_rank(self) -> int:
+        return int(os.environ.get("RANK", "0")) if self.trainer is None else self.trainer.rank
+
+    def _progress(self, name: str) -> int:
+        run = self.trainer
+        return 0 if run is None else int(getattr(run.progress, name))
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None,
             on_epoch: bool | None = None, reduce: str = "mean") -> None:

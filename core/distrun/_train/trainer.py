@@ -82,7 +82,9 @@ class Trainer:
     """Train and evaluate a task: ``Trainer(max_epochs=3, batch_size=64).fit(task)``.
 
     Keyword arguments are run-config fields and plugin options; flags, ``DISTRUN_*`` variables
-    and the ``--config`` file of ``distrun run`` take precedence over them.
+    and the ``--config`` file of ``distrun run`` take precedence over them. ``callbacks`` are
+    objects (see :mod:`distrun._train.callbacks`): plugins with ``@hookimpl`` methods, or
+    objects with Lightning's method names; each is registered as a plugin for the session.
 
     After :meth:`fit`, :meth:`validate`, :meth:`test` and :meth:`predict` run in the same
     processes on the trained model (the process group stays up until :meth:`close`, another
@@ -95,10 +97,14 @@ class Trainer:
     _open: ClassVar[Trainer | None] = None
 
     def __init__(self, config: RunConfig | None = None, plugins: tuple[Any, ...] = (),
-                 plugin_manager: Any = None, **options: Any) -> None:
+                 plugin_manager: Any = None, callbacks: Any = (), **options: Any) -> None:
+        from distrun._train.callbacks import as_plugins
+
         self._config = config
         self._options = options
         self._plugins = plugins
+        #: the callback objects as plugins (registered for each session, unregistered at close)
+        self._callbacks = as_plugins(callbacks or ())
         #: this trainer's plugins (built from the environment's settings on first use:
         #: entry points, DISTRUN_PLUGINS, DISTRUN_BLOCK_PLUGINS); never a process global
         self._pm = plugin_manager
@@ -106,26 +112,30 @@ class Trainer:
         self._locks: list[Any] = []  # rank 0's locks on the run's folders (launch.folder_lock)
 
     # -- the stages -------------------------------------------------------------------------
-    def fit(self, task: Any) -> Run:
+    def fit(self, task: Any, datamodule: Any = None) -> Run:
         """Run the stages ``--stage`` names (``fit`` by default) and return the :class:`Run`;
-        each stage's result is in ``run.results[stage]``."""
-        run = self._session(task)
+        each stage's result is in ``run.results[stage]``. ``datamodule``: a
+        :class:`distrun.DataModule` whose data methods win over the task's."""
+        run = self._session(task, datamodule=datamodule)
         for stage in run.config.stage.split(","):
             self._stage(run, stage)
         return run
 
-    def validate(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def validate(self, task: Any = None, ckpt_path: str | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
         """Validation metrics (``val_*``), reduced over ranks, on every rank."""
-        return cast(dict, self._one(task, "validate", ckpt_path))
+        return cast(dict, self._one(task, "validate", ckpt_path, datamodule))
 
-    def test(self, task: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def test(self, task: Any = None, ckpt_path: str | None = None,
+             datamodule: Any = None) -> dict[str, float]:
         """Test metrics (``test_*``) over ``task.test_data()``, reduced over ranks."""
-        return cast(dict, self._one(task, "test", ckpt_path))
+        return cast(dict, self._one(task, "test", ckpt_path, datamodule))
 
-    def predict(self, task: Any = None, ckpt_path: str | None = None) -> Any:
+    def predict(self, task: Any = None, ckpt_path: str | None = None,
+                datamodule: Any = None) -> Any:
         """``predict_step`` outputs over ``task.predict_data()`` in dataset order (or, with
         ``predictions="write"``, the folder of each rank's files)."""
-        return self._one(task, "predict", ckpt_path)
+        return self._one(task, "predict", ckpt_path, datamodule)
 
     def close(self) -> None:
         """End the session: the strategy tears down (the process group it made is destroyed)."""
@@ -133,6 +143,9 @@ class Trainer:
         if Trainer._open is self:
             Trainer._open = None
             atexit.unregister(self.close)
+        for plugin in self._callbacks:
+            if self._pm is not None and self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
         try:
             if run is not None and run.strategy is not None:
                 run.strategy.teardown()
@@ -147,14 +160,16 @@ class Trainer:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _one(self, task: Any, stage: str, ckpt_path: str | None) -> Any:
-        run = self._session(task, stage)
+    def _one(self, task: Any, stage: str, ckpt_path: str | None, datamodule: Any = None) -> Any:
+        run = self._session(task, stage, datamodule)
         self._stage(run, stage, ckpt_path)
         return run.results.get(stage)
 
-    def _session(self, task: Any, stage: str | None = None) -> Run:
+    def _session(self, task: Any, stage: str | None = None, datamodule: Any = None) -> Run:
         """The open run for ``task`` (None: the last one), or a new one set up for it."""
         if self._run is not None and (task is None or task is self._run.task):
+            if datamodule is not None:
+                self._run.datamodule = datamodule
             return self._run
         if task is None:
             raise UsageError(f"Trainer.{stage}() needs the task: trainer.{stage}(task) (or fit "
@@ -168,10 +183,12 @@ class Trainer:
                 self._pm = (self._config.pluginmanager if self._config is not None else None) \
                     or make_plugin_manager()
             pm = self._pm
-            for plugin in self._plugins:
+            for plugin in (*self._plugins, *self._callbacks):
                 if not pm.is_registered(plugin):
                     pm.register(plugin)
-            config = self._config or worker_config(pm, self._options)
+            from distrun._train.limits import apply_fast_dev_run
+
+            config = apply_fast_dev_run(self._config or worker_config(pm, self._options))
             check_consumed(pm, collect_options(pm), config)
             if int(os.environ.get("RANK", "0")) == 0:  # one process per run takes them
                 self._locks = lock_run_folders(config, collect_options(pm), run_key())
@@ -188,6 +205,7 @@ class Trainer:
             self._run = Run(config, task, pm)
         except DistrunError as exc:
             _exit_on_error(exc, debug=config.debug)
+        self._run.datamodule = datamodule
         Trainer._open = self
         # closed at exit, before the interpreter finalizes (see worker.py)
         atexit.register(self.close)
@@ -250,6 +268,9 @@ class Trainer:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
         run.done = run.stop_requested = False  # a second fit of this session starts afresh
         run.hook.distrun_on_fit_start(run=run)
+        from distrun._train.limits import sanity_check
+
+        sanity_check(run)
         run.stash[_TRAINING] = True
         run.hook.distrun_run_fit(run=run)
         if run.stop_signal is not None and run.done:

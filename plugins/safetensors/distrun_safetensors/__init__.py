@@ -9,9 +9,11 @@ from typing import Any
 
 from distrun_safetensors.files import CheckpointError
 
-__all__ = ["CheckpointError", "Checkpointer", "load_checkpoint", "load_weights", "validate"]
+__all__ = ["CheckpointError", "Checkpointer", "ModelCheckpoint", "load_checkpoint",
+           "load_weights", "validate"]
 
 _LAZY = {"Checkpointer": ("distrun_safetensors.save", "Checkpointer"),
+         "ModelCheckpoint": ("distrun_safetensors.callback", "ModelCheckpoint"),
          "load_checkpoint": ("distrun_safetensors.load", "load"),
          "load_weights": ("distrun_safetensors.weights", "load_weights"),
          "validate": ("distrun_safetensors.validation", "validate")}

@@ -19,7 +19,9 @@ class CheckpointOptions(PluginOptions, plugin="safetensors"):
         0.0, "save when this many seconds passed since the last save (0: off)",
         min=0)
     ckpt_keep_last: int = option(3, "keep the N newest checkpoints (0: keep all)", min=0)
-    ckpt_save_on_end: bool = option(False, "save a checkpoint when training ends")
+    ckpt_save_on_end: bool = option(
+        True, "save a checkpoint of the last step when training ends, in RUN_DIR/checkpoints "
+        "(--no-ckpt-save-on-end: none)")
     ckpt_async: bool = option(
         False, "copy tensors to CPU memory and write them in a background thread")
     ckpt_verify: bool = option(True, "verify checksums when loading (--no-ckpt-verify skips it)")

@@ -8,11 +8,11 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl
 from distrun_safetensors.options import CheckpointOptions
+from distrun_safetensors.session import _KEY, _checkpointer, _opts, ckpt_dir
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
 PLUGIN = "safetensors"
-_KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
 _LAST_SAVE: StashKey[float] = StashKey("safetensors.last_save")  # monotonic seconds
 _BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-monitor
 #: the nodes' view of the checkpoint folder, once checked: "" shared (or one node), else the
@@ -30,28 +30,6 @@ def distrun_resume_words():
     return {"best": "the best checkpoint --ckpt-monitor kept"}
 
 
-def _opts(run: Any) -> CheckpointOptions:
-    return CheckpointOptions.of(run.config)
-
-
-def _checkpointer(run: Any) -> Any:
-    state = run.stash.get(_KEY)
-    if state is None:
-        from distrun_safetensors.save import Checkpointer
-
-        cfg = _opts(run)
-        state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
-                             split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
-                             async_save=cfg.ckpt_async,
-                             rdzv_generation=run.generation)
-        run.stash[_KEY] = state
-    return state
-
-
-def ckpt_dir(run: Any) -> str:
-    return _opts(run).ckpt_dir or os.path.join(run.run_dir, "checkpoints")
-
-
 def _check_storage(run: Any) -> None:
     """Multi-node runs: refuse per-host checkpoint folders (see :mod:`.storage`), once per run.
 
@@ -66,8 +44,9 @@ def _check_storage(run: Any) -> None:
         unshared = "" if found is None else _unshared_line(run, found.describe())
         run.stash[_UNSHARED] = unshared
         cfg = _opts(run)
-        wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_save_on_end
-                 or cfg.ckpt_monitor or run.config.resume != "never")
+        wants = (cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_monitor
+                 or (cfg.ckpt_save_on_end and not _end_save_by_default(run))
+                 or run.config.resume != "never")
         if unshared and (run.generation > 0 or wants):
             from distrun.plugin import UsageError
 
@@ -76,6 +55,12 @@ def _check_storage(run: Any) -> None:
         from distrun.plugin import UsageError
 
         raise UsageError(unshared)
+
+
+def _end_save_by_default(run: Any) -> bool:
+    """The save at the end is on only because it is the default (no flag, key or variable
+    asked for it)."""
+    return "ckpt_save_on_end" not in run.config.sources
 
 
 def _unshared_line(run: Any, why: str) -> str:
@@ -103,17 +88,22 @@ def distrun_save_checkpoint(run, reason):
         saver.on_written = lambda stats: run.log.info(
             "Checkpoint %s written in the background in %.2f s", stats["path"],
             stats["write_s"])
+    from distrun_safetensors.callback import owners
+
+    held_released = owners(run, saver, reason)
     record = retention = None
     best = run.stash.get(_BEST)
     if best is not None:
         record, retention = best.before_save(saver, run.progress.step, reason)
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
                       run.state_dict(), reason=reason, info=info, record=record,
-                      retention=retention)
+                      retention=retention, owners=held_released)
     run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
         stats = saver.stats
-        if stats.get("tagged"):
+        if stats.get("reused"):
+            pass  # already saved at this step (by another checkpoint callback, the cadence)
+        elif stats.get("tagged"):
             run.log.info("Checkpoint %s (%s): already saved at this step; its manifest now "
                          "records %s=%.6g", path, reason, record["name"], record["value"])
         elif stats.get("write_s") is None:  # async: training goes on while it is written
@@ -141,6 +131,11 @@ def distrun_load_checkpoint(run, source):
     if result is None:
         return None
     run.load_state_dict(result.state)
+    if os.path.dirname(os.path.abspath(result.path)) == os.path.abspath(ckpt_dir(run)) \
+            and run.progress.step == result.step:
+        # this run's checkpoint of this very step: a save before the next step (the end of a
+        # fit that had nothing left, a checkpoint callback) names it instead of rewriting it
+        _checkpointer(run).last = (result.step, result.path)
     return result.path
 
 
@@ -156,6 +151,8 @@ def distrun_on_fit_start(run):
         for path in sweep_stale(ckpt_dir(run), timeout=run.config.timeout):
             run.log.info("Removed %s, left by a save that did not finish", path)
     opts = _opts(run)
+    if run.config.fast_dev_run:
+        return  # a smoke test saves nothing
     every, seconds = opts.ckpt_every_n_steps, opts.ckpt_every_n_seconds
     if every or seconds:  # a run without a save cadence has no per-step hook of ours
         run.add_hooks(Cadence(every, seconds))
@@ -204,7 +201,7 @@ class Cadence:
     def __init__(self, every: int, seconds: float) -> None:
         self.every, self.seconds = every, seconds
 
-    @hookimpl
+    @hookimpl(trylast=True)  # after the step's other hooks: their state is saved as it ends
     def distrun_on_step_end(self, run, step):
         due = bool(self.every) and step % self.every == 0
         if self.seconds and not due:
@@ -229,8 +226,13 @@ def _time_due(run: Any, seconds: float) -> bool:
 
 @hookimpl
 def distrun_on_fit_end(run):
-    if _opts(run).ckpt_save_on_end:
-        run.save_checkpoint("end")
+    if _opts(run).ckpt_save_on_end and not run.config.fast_dev_run:
+        if run.stash.get(_UNSHARED) and _end_save_by_default(run):
+            if run.is_global_zero:  # only the default asked for it: not worth failing over
+                run.log.warning("warning: no checkpoint of the last step: %s",
+                                run.stash[_UNSHARED])
+        else:
+            run.save_checkpoint("end")
     saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()

@@ -27,6 +27,10 @@ from distrun_safetensors.manifest import (
 )
 from distrun_safetensors.paths import GENERATION_FILE
 
+#: the ``reason`` in the manifest of a checkpoint a callback object wrote
+#: (:mod:`~distrun_safetensors.callback`): ``--ckpt-keep-last`` leaves these to their callback
+CALLBACK_REASON = "callback"
+
 __all__ = ["Retention", "add_record", "point_best", "prune", "replace_pointer"]
 
 
@@ -88,9 +92,14 @@ def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
     durable("manifest replaced")
 
 
-def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None) -> None:
+def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None,
+          held: frozenset[str] = frozenset(), released: frozenset[str] = frozenset()) -> None:
     """Drop leftovers of crashed saves, all but the ``keep_last`` newest checkpoints, and
     (with ``retention``) the checkpoints saved for the best k that left the top k.
+
+    Checkpoint callbacks (:mod:`~distrun_safetensors.callback`): the folders one of them keeps
+    (``held``) are never removed; those their writer let go and none keeps (``released``) are;
+    a folder a callback wrote (reason ``callback``) is otherwise left to the callbacks.
 
     ``keep`` (the checkpoint just committed or given a value) always stays. ``keep_last``
     counts the checkpoints saved for any reason but ``best``; the top k (``retention.protect``)
@@ -106,13 +115,19 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)
-    if keep_last <= 0 and retention is None:
+    if keep_last <= 0 and retention is None and not released:
         return
-    protect = retention.protect if retention is not None else frozenset()
+    protect = (retention.protect if retention is not None else frozenset()) | held
     regular, drop = [], []
     keep_regular = True
     for folder in step_folders(directory):
+        if folder != keep and os.path.basename(folder) in released - protect:
+            drop.append(folder)
+            continue
         manifest = read_manifest_quietly(folder)
+        if (manifest or {}).get("reason") == CALLBACK_REASON:
+            keep_regular = keep_regular and folder != keep
+            continue  # its callback decides
         record = monitor_record(manifest)
         ours = retention is not None and record is not None \
             and (record["name"], record["mode"]) == (retention.monitor, retention.mode)

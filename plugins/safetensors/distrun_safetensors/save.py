@@ -135,7 +135,8 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              state: Mapping[str, Any] | None = None, reason: str = "user",
              info: Mapping[str, Any] | None = None, *, record: Mapping[str, Any] | None = None,
-             retention: Retention | None = None) -> str:
+             retention: Retention | None = None,
+             owners: tuple[frozenset[str], frozenset[str]] | None = None) -> str:
         """Write a checkpoint of ``step``; every rank calls this together. Returns its path.
 
         With ``async_save`` the tensors are copied to CPU memory here and written by a
@@ -144,7 +145,9 @@ class Checkpointer:
         ``record`` (the monitored metric, ``{"name", "mode", "value", "step"}``) goes into the
         manifest under ``monitor``; when this checkpointer already committed ``step``, it is
         added to that folder's manifest instead of writing the tensors again. ``retention``
-        (rank 0) updates the ``best`` pointer and keeps the top k when pruning.
+        (rank 0) updates the ``best`` pointer and keeps the top k when pruning. ``owners``
+        (rank 0): the folders checkpoint callbacks keep, and those their writers let go
+        (see :func:`~distrun_safetensors.callback.owners`), for the pruning after the commit.
         """
         started = time.perf_counter()
         self.wait()  # the previous async write: its buffers are about to be reused
@@ -152,10 +155,13 @@ class Checkpointer:
         final = os.path.join(self.directory, f"step-{step}")
         if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
             if record is not None:
-                self._tag(self.last[1], dict(record), retention)
+                self._tag(self.last[1], dict(record), retention, owners)
                 seconds = time.perf_counter() - started
                 self.stats = {"step": step, "stall_s": seconds, "waited_s": waited,
                               "write_s": seconds, "tagged": True}
+            else:  # nothing to write: that step's checkpoint is this one
+                self.stats = {"step": step, "stall_s": 0.0, "waited_s": waited,
+                              "write_s": 0.0, "reused": True}
             return self.last[1]
         if record is not None:
             info = {**dict(info or {}), MONITOR: dict(record)}
@@ -177,6 +183,7 @@ class Checkpointer:
         try:
             job = self._collect(rank, world, model, optimizer, state, step, reason, info)
             job["retention"] = retention
+            job["owners"] = owners
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         error = comm.agree(error)  # every rank fails together, before any file is written
@@ -334,10 +341,11 @@ class Checkpointer:
         retention = job.get("retention")
         commit(self.directory, job["step"], tmp, final, self.generation or 0, retention,
                self.lock_stale_after)
-        self._start_pruning(final, retention)
+        self._start_pruning(final, retention, job.get("owners"))
         return {"error": None}
 
-    def _tag(self, folder: str, record: dict[str, Any], retention: Retention | None) -> None:
+    def _tag(self, folder: str, record: dict[str, Any], retention: Retention | None,
+             owners: tuple[frozenset[str], frozenset[str]] | None = None) -> None:
         """Record the monitored value in the committed ``folder`` (rank 0), then move ``best``
         and prune as after a commit."""
         if comm.rank_world()[0] != 0:
@@ -349,12 +357,15 @@ class Checkpointer:
             log.warning("checkpoint: could not record %s=%s in %s (%s); it is not counted as "
                         "one of the best", record.get("name"), record.get("value"), folder, exc)
             return
-        self._start_pruning(folder, retention)
+        self._start_pruning(folder, retention, owners)
 
-    def _start_pruning(self, keep: str, retention: Retention | None) -> None:
+    def _start_pruning(self, keep: str, retention: Retention | None,
+                       owners: tuple[frozenset[str], frozenset[str]] | None = None) -> None:
         # removing old checkpoints is housekeeping: it overlaps training (wait() joins it)
+        held, released = owners or (frozenset(), frozenset())
         self._pruner = threading.Thread(target=prune, daemon=True, name="distrun-ckpt-prune",
-                                        args=(self.directory, keep, self.keep_last, retention))
+                                        args=(self.directory, keep, self.keep_last, retention,
+                                              held, released))
         self._pruner.start()
 
     def _release(self, tmp: str) -> None:

@@ -10,6 +10,7 @@ so a resumed run goes on counting.
 from __future__ import annotations
 
 from distrun.plugin import StashKey, hookimpl
+from distrun_early_stopping.callback import judge
 from distrun_early_stopping.options import EarlyStoppingOptions
 from distrun_early_stopping.rule import EarlyStopping
 
@@ -62,17 +63,7 @@ def distrun_log_metrics(run, step, metrics):
     rule = _rule(run)
     if rule is None:
         return
-    rule.seen.update(metrics)
-    value = metrics.get(rule.monitor)
-    if value is None or rule.stopped_at is not None:
-        return
-    reason = rule.check(float(value), step)
-    if reason is None:
-        return
-    run.request_stop()
-    if run.is_global_zero:
-        run.log.info("Early stopping at step %d: %s (%s); stopping the fit",
-                     step, reason, rule.describe_best())
+    judge(rule, run, step, metrics)
 
 
 def _warn_if_missing(run, when: str) -> None:

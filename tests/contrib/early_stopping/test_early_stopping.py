@@ -174,8 +174,10 @@ def test_fsdp_stops_on_a_plateau(tmp_path):
 @pytest.mark.slow
 def test_a_non_finite_value_stops_at_once(tmp_path):
     # each rank validates 2 batches a pass: after 3 passes (steps 2, 4, 6) val_loss is NaN
+    # (no sanity pass before training: its batches would count too)
     result = run_cli("run", *COMMON, "--name", "nan", "--strategy", "ddp", "--max-epochs", "5",
-                     "--val-every-n-steps", "2", PLATEAU, cwd=tmp_path,
+                     "--val-every-n-steps", "2", "--num-sanity-val-steps", "0", PLATEAU,
+                     cwd=tmp_path,
                      env={**RECORD, "ES_NAN_AFTER": "6", "ES_FREEZE_AT": "100"})
     assert result.returncode == 0, result
     best = val_loss_at(tmp_path / "runs" / "nan", 6)

@@ -1,0 +1,36 @@
+"""This run's checkpointer and folder, shared by the plugin's hooks and the checkpoint
+callbacks (torch-free at import)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from distrun.plugin import StashKey
+from distrun_safetensors.options import CheckpointOptions
+
+__all__ = ["ckpt_dir"]
+
+_KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
+
+
+def _opts(run: Any) -> CheckpointOptions:
+    return CheckpointOptions.of(run.config)
+
+
+def _checkpointer(run: Any) -> Any:
+    state = run.stash.get(_KEY)
+    if state is None:
+        from distrun_safetensors.save import Checkpointer
+
+        cfg = _opts(run)
+        state = Checkpointer(ckpt_dir(run), keep_last=cfg.ckpt_keep_last,
+                             split_bytes=int(cfg.ckpt_split_mb * (1 << 20)),
+                             async_save=cfg.ckpt_async,
+                             rdzv_generation=run.generation)
+        run.stash[_KEY] = state
+    return state
+
+
+def ckpt_dir(run: Any) -> str:
+    return _opts(run).ckpt_dir or os.path.join(run.run_dir, "checkpoints")
