@@ -29,7 +29,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, names: str) -> int:
                          f"submodule of that class in the model (its classes: "
                          f"{', '.join(classes)})")
     for module in found:
-        module.forward = functools.partial(_checkpointed, module.forward)  # type: ignore
+        module.forward = functools.partial(_checkpointed, module.forward)
     return len(found)
 
 

@@ -228,7 +228,8 @@ def _adapter(callback: Any, key: str) -> Any:
 
 def as_plugins(callbacks: Iterable[Any]) -> list[Any]:
     """The plugin each callback object is registered as, in the given order."""
-    plugins, seen = [], {}
+    plugins: list[Any] = []
+    seen: dict[Any, Any] = {}
     for callback in callbacks:
         if isinstance(callback, type):
             raise UsageError(f"callbacks=[...] holds the class {callback.__name__}; pass an "

@@ -24,7 +24,7 @@ from distrun._spec.errors import UsageError
 from distrun._spec.stash import StashKey
 from distrun._train.models import params_of
 from distrun._train.optimizers import inner_optimizers
-from distrun._train.task import RUN_ATTRIBUTE
+from distrun._train.run import run_of
 
 __all__ = ["TaskOptimizer", "bound_run", "manual_backward", "manual_epoch_loop",
            "task_optimizers", "task_schedulers"]
@@ -34,8 +34,7 @@ _WRAPPED: StashKey[tuple[Any, list[TaskOptimizer]]] = StashKey("manual.optimizer
 
 
 def bound_run(task: Any, what: str) -> Any:
-    ref = getattr(task, RUN_ATTRIBUTE, None)  # the run keeps a weak reference there
-    run = ref() if ref is not None else None
+    run = run_of(task)
     if run is None or run.optimizer is None:
         raise UsageError(f"{type(task).__name__}.{what} is available once the trainer has set "
                          "the task up (in training_step and later), not before")

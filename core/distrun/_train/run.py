@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from distrun._launch.generation import read_generation
 from distrun._spec.errors import EXIT_REQUEUE
 from distrun._spec.stash import Stash
-from distrun._train.task import RUN_ATTRIBUTE
 
 if TYPE_CHECKING:
     import pluggy
@@ -23,7 +22,17 @@ if TYPE_CHECKING:
     from distrun._train.sampler import ResumableSampler
     from distrun._train.schedulers import Scheduled
 
-__all__ = ["EXIT_REQUEUE", "LoopState", "Progress", "Run", "RunContext"]
+__all__ = ["EXIT_REQUEUE", "RUN_ATTRIBUTE", "LoopState", "Progress", "Run", "RunContext", "run_of"]
+
+#: where a run leaves a weak reference to itself on its task (:func:`run_of`; weak: the task
+#: does not keep its run alive)
+RUN_ATTRIBUTE = "_distrun_run"
+
+
+def run_of(task: Any) -> Run | None:
+    """The run training ``task`` (``Task.trainer``, ``self.optimizers()``), None outside one."""
+    ref = getattr(task, RUN_ATTRIBUTE, None)
+    return ref() if ref is not None else None
 
 
 log = logging.getLogger("distrun")
@@ -122,7 +131,7 @@ class Run:
         #: the DataModule the stages read data from before the task (``fit(task, datamodule=)``)
         self.datamodule: Any = None
         self._scoped: list[Any] = []
-        try:  # the task's ``self.trainer`` (weak: the task does not keep its run alive)
+        try:  # the task's ``self.trainer`` (run_of)
             setattr(task, RUN_ATTRIBUTE, weakref.ref(self))
         except (AttributeError, TypeError):  # a task that takes no attributes
             pass

@@ -10,10 +10,7 @@ from typing import Any
 
 from distrun._spec.errors import UsageError
 
-__all__ = ["RUN_ATTRIBUTE", "Task", "load_task"]
-
-#: where a run leaves a weak reference to itself on its task (read by :attr:`Task.trainer`)
-RUN_ATTRIBUTE = "_distrun_run"
+__all__ = ["Task", "load_task"]
 
 
 class Task:
@@ -131,8 +128,9 @@ class Task:
     def trainer(self) -> Any:
         """The :class:`distrun.Run` this task is in (``current_epoch``, ``global_step``,
         ``callback_metrics``, ``should_stop``, ``config``, ``strategy`` ...); None outside."""
-        ref = getattr(self, RUN_ATTRIBUTE, None)
-        return ref() if ref is not None else None
+        from distrun._train.run import run_of
+
+        return run_of(self)
 
     @property
     def current_epoch(self) -> int:

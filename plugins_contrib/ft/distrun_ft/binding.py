@@ -64,6 +64,8 @@ def process_group_on(address: str, timeout: timedelta) -> Any:
     from torchft.process_group import ProcessGroupGloo
 
     class BoundProcessGroupGloo(ProcessGroupGloo):
+        _rendezvous_store: Any
+
         def get_reconfigure_handle(self) -> str:
             if self._rendezvous_store is None:
                 self._rendezvous_store = serve_store(listen_socket(address, 0), address,
