@@ -12,7 +12,7 @@ PACKAGES = [
     "distrun_progress", "distrun_tensorboard", "distrun_zero", "distrun_early_stopping",
     "distrun_lr_monitor", "distrun_profiler", "distrun_mlflow", "distrun_wandb",
     "distrun_notebook", "distrun_pipeline", "distrun_shm", "distrun_ray", "distrun_torchx",
-    "distrun_ft",
+    "distrun_ft", "distrun_deepspeed",
 ]
 
 
