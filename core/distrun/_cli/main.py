@@ -307,8 +307,10 @@ def _warn_unknown_blocked(pm: Any, blocked: list[str], extra: list[str]) -> None
         where = f"-p no:{name}" if name in blocked else f"{BLOCK_ENV}={name}"
         close = closest(name, known)
         hint = f"did you mean '{close}'? " if close else ""
-        print(f"warning: {where} blocks nothing: no installed plugin is named '{name}' ({hint}"
-              "`distrun plugins` lists the names)", file=sys.stderr, flush=True)
+        sys.stderr.write(
+            f"warning: {where} blocks nothing: no installed plugin is named '{name}' ({hint}"
+            "`distrun plugins` lists the names)\n"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -322,18 +324,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
-        print("Aborted.", file=sys.stderr)
+        sys.stderr.write("Aborted.\n")
         sys.exit(130)
     except click.UsageError as exc:
         message = exc.format_message().replace("\n", " ")
         where = exc.ctx.command_path if exc.ctx is not None else "distrun run"
-        print(f"error: {message}{_plugin_hint(exc)} (see `{where} --help`)",
-              file=sys.stderr)
+        sys.stderr.write(f"error: {message}{_plugin_hint(exc)} (see `{where} --help`)\n")
         sys.exit(2)
     except DistrunError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"error: {exc}\n")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -69,9 +69,10 @@ class RunCommand(click.Command):
             return
         names = ", ".join(g.split(" ")[0].split("=")[0] for g in given)
         verb = "goes" if len(given) == 1 else "go"
-        print(f"warning: {names} after {target} {verb} to {target}, not to distrun (put run "
-              f"options before the script: distrun run {' '.join(given)} {target})",
-              file=sys.stderr, flush=True)
+        sys.stderr.write(
+            f"warning: {names} after {target} {verb} to {target}, not to distrun (put run "
+            f"options before the script: distrun run {' '.join(given)} {target})\n"
+        )
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         takes_value = {}

@@ -66,10 +66,11 @@ def warn_oversubscribed(nproc: int) -> None:
     """One warning when this node starts more workers than it has CPU cores."""
     cores = cpu_cores()
     if nproc > cores:
-        print(f"warning: {nproc} worker processes on {cores} CPU core"
-              f"{'s' if cores != 1 else ''}: they take turns on the cores, so each step is "
-              f"slower than with fewer ranks (--nproc-per-node {cores} fits this machine)",
-              file=sys.stderr, flush=True)
+        sys.stderr.write(
+            f"warning: {nproc} worker processes on {cores} CPU core"
+            f"{'s' if cores != 1 else ''}: they take turns on the cores, so each step is "
+            f"slower than with fewer ranks (--nproc-per-node {cores} fits this machine)\n"
+        )
 
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
@@ -137,8 +138,9 @@ def _outputs(config: RunConfig, first_rank: int) -> _Outputs:
     redirected = config.redirects not in ("0", "")
     if redirected and not log_dir:
         log_dir = tempfile.mkdtemp(prefix="distrun-logs-")
-        print(f"distrun: --redirects {config.redirects}: worker output goes to {log_dir}",
-              file=sys.stderr, flush=True)
+        sys.stderr.write(
+            f"distrun: --redirects {config.redirects}: worker output goes to {log_dir}\n"
+        )
     if log_dir:
         error_dir = os.path.abspath(log_dir)  # a worker may change its directory
     else:

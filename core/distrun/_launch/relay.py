@@ -221,10 +221,10 @@ def report_failure(rank: RankLines, code: int, where: str = "",
         if same:
             names = ", ".join(map(str, same))
             notes.append(f"rank{'s' if len(same) > 1 else ''} {names} failed the same way")
-        print(f"{head}{last}" + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr)
+        sys.stderr.write((f"{head}{last}" + (f" ({'; '.join(notes)})" if notes else "")) + "\n")
         sys.stderr.flush()
         return
-    print(f"{head}; its last lines:", file=sys.stderr)
+    sys.stderr.write(f"{head}; its last lines:\n")
     for ln in lines[-TAIL_LINES:]:
-        print(f"  [rank{rank.rank}] {ln}", file=sys.stderr)
+        sys.stderr.write(f"  [rank{rank.rank}] {ln}\n")
     sys.stderr.flush()

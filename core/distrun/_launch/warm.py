@@ -269,9 +269,10 @@ class WarmPool:
             return
         self._said.add(local_rank)
         detail = zygote.errors()
-        print(f"distrun: local rank {local_rank} starts cold: its warm spare is {zygote.state} "
-              f"({zygote.why or 'no reason given'}){': ' + detail[-400:] if detail else ''}",
-              file=sys.stderr, flush=True)
+        sys.stderr.write(
+            f"distrun: local rank {local_rank} starts cold: its warm spare is {zygote.state} "
+            f"({zygote.why or 'no reason given'}){': ' + detail[-400:] if detail else ''}\n"
+        )
 
     def state(self, local_rank: int) -> str:
         """``starting``, ``ready``, ``unsafe`` or ``gone``."""

@@ -311,7 +311,7 @@ class Trainer:
 def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:
     if debug:
         raise exc
-    print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: {exc}\n")
     raise SystemExit(exc.exit_code)
 
 

@@ -87,7 +87,7 @@ UNWIND_GRACE = 2.0
 
 
 def _say(message: str) -> None:
-    print(f"distrun: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"distrun: {message}\n")
 
 
 class CutOff(Exception):

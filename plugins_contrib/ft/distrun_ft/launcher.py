@@ -169,7 +169,7 @@ class _Stop:
 
 
 def _say(line: str) -> None:
-    print(f"distrun: {line}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"distrun: {line}\n")
 
 
 def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:

@@ -203,9 +203,10 @@ def _stop_ranks(ray: Any, ranks: list[_Rank], grace: float) -> None:
 def _say_lost(r: _Rank, last: bool) -> None:
     then = (f"; no restart left (--ray-max-restarts): run again with --resume auto; exit "
             f"{EXIT_REQUEUE} (requeue)") if last else ""
-    print(f"distrun: lost Ray node {r.node_name} with rank {r.rank}: its actor cannot be "
-          f"reached ({r.lost}): the node stopped or its network is down{then}",
-          file=sys.stderr, flush=True)
+    sys.stderr.write(
+        f"distrun: lost Ray node {r.node_name} with rank {r.rank}: its actor cannot be "
+        f"reached ({r.lost}): the node stopped or its network is down{then}\n"
+    )
 
 
 def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -> int:
@@ -292,9 +293,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             else:
                 report_failure(failed, code, where=f"Ray node {failed.ip}")
             if attempt < restarts:
-                print(f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "
-                      f"{restarts}), resuming from the newest checkpoint", file=sys.stderr,
-                      flush=True)
+                sys.stderr.write(
+                    f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "
+                    f"{restarts}), resuming from the newest checkpoint\n"
+                )
         return code
     finally:
         for s, h in previous.items():
