@@ -86,6 +86,14 @@ _WAKE = signal.SIGUSR2
 UNWIND_GRACE = 2.0
 
 
+def _nodes_waiting(worker_group: Any) -> int:
+    """Nodes waiting at the rendezvous to join the next round (0 if it cannot be asked)."""
+    try:
+        return int(worker_group.spec.rdzv_handler.num_nodes_waiting())
+    except Exception:  # noqa: BLE001 - a store that is gone: no re-form to wait for
+        return 0
+
+
 def _say(message: str) -> None:
     sys.stderr.write(f"distrun: {message}\n")
 
@@ -224,6 +232,14 @@ class DistrunAgent(LocalElasticAgent):
             # A worker ended between our poll above and torch's: name it now, or the restart
             # below would go ahead without its line (and without stopping its siblings first)
             self._stop_siblings_of_failure(worker_group)
+        if failed and self.root_cause and self.root_cause[1] == EXIT_REQUEUE and \
+                _nodes_waiting(worker_group) > 0:
+            # Not a stop of this run: a node joins, another node's agent stopped its workers
+            # to re-form first, and ours stopped with them at the step boundary (the stop vote),
+            # saving that step. Torch's loop re-forms for the waiting node next, as it would
+            # have from a healthy group, and spends no restart.
+            self.root_cause = None
+            return RunResult(state=WorkerState.HEALTHY)
         if failed and self.root_cause:
             rank, code = self.root_cause
             if code in (EXIT_REQUEUE, _USAGE_ERROR):
