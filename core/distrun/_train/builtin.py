@@ -91,9 +91,10 @@ def distrun_optimizer_step(run):
 
 @hookimpl
 def distrun_run_validation(run):
+    from distrun._train.limits import SANITY_BATCHES
     from distrun._train.stages import evaluate
 
-    return evaluate(run, "validate")
+    return evaluate(run, "validate", limit=run.stash.get(SANITY_BATCHES))
 
 
 # -- state ------------------------------------------------------------------------------------

@@ -11,9 +11,13 @@ from typing import Any
 import torch
 
 from distrun._spec.errors import UsageError
+from distrun._spec.stash import StashKey
 
-__all__ = ["apply_fast_dev_run", "sanity_check", "set_deterministic", "train_limit",
-           "val_limit"]
+__all__ = ["SANITY_BATCHES", "apply_fast_dev_run", "sanity_check", "set_deterministic",
+           "train_limit", "val_limit"]
+
+#: set while the sanity pass runs: the validation batches the core's validation takes
+SANITY_BATCHES: StashKey[int] = StashKey("sanity_val_batches")
 
 log = logging.getLogger("distrun")
 
@@ -56,12 +60,14 @@ def sanity_check(run: Any) -> None:
     if not n or run.val_loader is None or not hasattr(run.val_loader, "batch_sampler"):
         return  # (a plain iterable may hold different counts on each rank: not cut short)
     from distrun._train.rng import rng_state, set_rng_state
-    from distrun._train.stages import evaluate
-
     state = rng_state()
+    run.stash[SANITY_BATCHES] = n
     try:
-        evaluate(run, "validate", limit=n)
+        # through the hook, so what plugins wrap validation in holds here too (distrun-amp's
+        # autocast, tp's loss_parallel); the core's implementation reads the limit
+        run.hook.distrun_run_validation(run=run)
     finally:
+        run.stash.pop(SANITY_BATCHES, None)
         set_rng_state(state)
 
 

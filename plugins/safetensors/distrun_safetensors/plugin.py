@@ -227,7 +227,9 @@ def _time_due(run: Any, seconds: float) -> bool:
 @hookimpl
 def distrun_on_fit_end(run):
     if _opts(run).ckpt_save_on_end and not run.config.fast_dev_run:
-        if run.stash.get(_UNSHARED) and _end_save_by_default(run):
+        if run.progress.step == 0 and _end_save_by_default(run):
+            pass  # nothing trained (a finder's fit, max_steps 0): no checkpoint of nothing
+        elif run.stash.get(_UNSHARED) and _end_save_by_default(run):
             if run.is_global_zero:  # only the default asked for it: not worth failing over
                 run.log.warning("warning: no checkpoint of the last step: %s",
                                 run.stash[_UNSHARED])
