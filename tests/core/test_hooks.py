@@ -89,7 +89,9 @@ def test_hooks_fire_in_documented_order(recorded):
     seq = squeeze([h for h in worker if h not in QUERIES])
     expected_setup = ["register_options", "configure", "register_strategies", "setup_strategy",
                       "setup_model", "setup_optimizer", "setup_data", "load_checkpoint",
-                      "state_dict", "load_state_dict", "on_fit_start", "run_fit", "run_epoch"]
+                      "state_dict", "load_state_dict", "on_fit_start",
+                      "run_validation",  # the sanity pass (num_sanity_val_steps)
+                      "run_fit", "run_epoch"]
     assert seq[: len(expected_setup)] == expected_setup, seq
     body = " ".join(seq)
     # Each optimizer step: (training_step -> backward) x 2 micro-batches -> optimizer_step.

@@ -350,8 +350,11 @@ def distrun_run_validation(run: Run) -> Mapping[str, float] | None:
     """Run validation over ``run.val_loader`` and return metrics reduced across ranks.
 
     Every rank, every ``val_every_n_steps`` and at the end of each epoch when the task has
-    validation data, and in the ``validate`` stage (``run.stage``). Stops at first non-None
-    result; the core implements it (sample-weighted means, each sample counted once).
+    validation data, and in the ``validate`` stage (``run.stage``); also once before training
+    for the sanity pass over the first ``num_sanity_val_steps`` batches, whose result nothing
+    logs (a wrapper that sets up a context, such as autocast, applies there too). Stops at
+    first non-None result; the core implements it (sample-weighted means, each sample counted
+    once).
     """
 
 

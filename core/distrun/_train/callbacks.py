@@ -143,6 +143,10 @@ def _on_step_end(self: Any, run: Any, step: int, metrics: Any) -> None:
 
 
 def _run_validation(self: Any, run: Any) -> Any:
+    from distrun._train.limits import SANITY_BATCHES
+
+    if run.stash.get(SANITY_BATCHES) is not None:  # the sanity pass: callbacks do not see it
+        return (yield)
     _call(self, "on_validation_start", run)
     _call(self, "on_validation_epoch_start", run)
     result = yield
