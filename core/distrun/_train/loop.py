@@ -440,15 +440,21 @@ def epoch_loop(run: Run, epoch: int) -> int:
             prog.step_started = time.monotonic()
             if step_end is not _nothing:
                 step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
-            _stop_agreed(run, sync.boundary())  # at log steps, also reduces and logs metrics
-            if val_every and prog.step % val_every == 0 and run.val_loader is not None:
-                validate(run)
-                model.train()
-            if 0 <= cfg.max_steps <= prog.step:
-                run.done = True
-            if run.done:
+            if step_boundary(run, sync, val_every, model):
                 break
     return epoch + 1
+
+
+def step_boundary(run: Run, sync: Any, val_every: int, model: torch.nn.Module) -> bool:
+    """After an optimizer step (both epoch loops): the agreed stop (at log steps also the
+    metrics' reduction and logging), the validation cadence, ``max_steps``. True: stop."""
+    _stop_agreed(run, sync.boundary())
+    if val_every and run.progress.step % val_every == 0 and run.val_loader is not None:
+        validate(run)
+        model.train()
+    if 0 <= run.config.max_steps <= run.progress.step:
+        run.done = True
+    return run.done
 
 
 def _direct(caller: pluggy.HookCaller, argnames: tuple[str, ...]) -> Callable[..., Any]:

@@ -124,9 +124,8 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
         STREAM,
         _check_loss,
         _loss_of,
-        _stop_agreed,
         _with_last,
-        validate,
+        step_boundary,
     )
     from distrun._train.metrics import LogTarget, logging_to
     from distrun._train.step_sync import STEP_SYNC
@@ -165,12 +164,6 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
             if out is not None:
                 metrics["loss"] = out.detach()
             hook.distrun_on_step_end(run=run, step=prog.step, metrics=metrics)
-            _stop_agreed(run, sync.boundary())
-            if val_every and prog.step % val_every == 0 and run.val_loader is not None:
-                validate(run)
-                model.train()
-            if 0 <= cfg.max_steps <= prog.step:
-                run.done = True
-            if run.done:
+            if step_boundary(run, sync, val_every, model):
                 break
     return epoch + 1
