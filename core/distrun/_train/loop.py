@@ -401,11 +401,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
     # the common case, one plain per-step scheduler: call its step() directly
     sched_step = per_step[0].scheduler.step if len(per_step) == 1 and per_step[0].frequency == 1 \
         and not per_step[0].plateau else None
-    window.epoch = epoch
-    target = LogTarget("fit", window.logged, run.stash[_EPOCH_LOGGED])
-    cursor = run.stash.get(STREAM)
-    batches = cursor.with_last() if cursor is not None else _with_last(run.train_loader)
-    model.train()
+    target, batches = epoch_start(run, epoch, model)
     with logging_to(target):
         micro_in_step = 0
         for batch, last in batches:
@@ -443,6 +439,17 @@ def epoch_loop(run: Run, epoch: int) -> int:
             if step_boundary(run, sync, val_every, model):
                 break
     return epoch + 1
+
+
+def epoch_start(run: Run, epoch: int, model: torch.nn.Module) -> tuple[LogTarget, Any]:
+    """Before an epoch's batches (both epoch loops): the log window's epoch, the fit's log
+    target, and the batches, each with a flag for the epoch's last one."""
+    run.stash[_WINDOW].epoch = epoch
+    target = LogTarget("fit", run.stash[_WINDOW].logged, run.stash[_EPOCH_LOGGED])
+    cursor = run.stash.get(STREAM)
+    batches = cursor.with_last() if cursor is not None else _with_last(run.train_loader)
+    model.train()
+    return target, batches
 
 
 def step_boundary(run: Run, sync: Any, val_every: int, model: torch.nn.Module) -> bool:

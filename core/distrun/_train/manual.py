@@ -119,15 +119,13 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
     batch, the task's ``training_step`` doing backward and the optimizer steps."""
     from distrun._spec.keys import UNEVEN_EPOCH
     from distrun._train.loop import (
-        _EPOCH_LOGGED,
         _WINDOW,
-        STREAM,
         _check_loss,
         _loss_of,
-        _with_last,
+        epoch_start,
         step_boundary,
     )
-    from distrun._train.metrics import LogTarget, logging_to
+    from distrun._train.metrics import logging_to
     from distrun._train.step_sync import STEP_SYNC
     from distrun._train.tensors import batch_len, to_device
 
@@ -135,11 +133,7 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
     model, window, sync = run.model, run.stash[_WINDOW], run.stash[STEP_SYNC]
     val_every = 0 if run.stash.get(UNEVEN_EPOCH) else cfg.val_every_n_steps
     local_batch = run.sampler.local_batch if run.sampler is not None else None
-    window.epoch = epoch
-    target = LogTarget("fit", window.logged, run.stash[_EPOCH_LOGGED])
-    cursor = run.stash.get(STREAM)
-    batches = cursor.with_last() if cursor is not None else _with_last(run.train_loader)
-    model.train()
+    target, batches = epoch_start(run, epoch, model)
     with logging_to(target):
         for batch, _last in batches:
             batch = to_device(batch, st.device)
