@@ -21,7 +21,8 @@ SIGKILLs itself at step KILL (after writing the time):
 Printed per side (medians over the trials, each trial a fresh run folder): the steps lost
 (committed steps trained again, summed over ranks), the survivors' stall (the longest gap
 between two commits of a rank that did not die, around the kill, less the median step time),
-the replacement's time (kill -> its first commit), the final loss (MSE of rank 0's final
+the replacement's time (kill -> its first commit) next to its own start time (in the
+uninterrupted run: launch -> the first commit of the rank that the trials kill), the final loss (MSE of rank 0's final
 weights over the whole dataset) against an uninterrupted run of the same side, the success rate, and the steady state (steps/s without a
 failure) of ``--ft`` against plain ddp on 3 ranks.
 """
@@ -67,12 +68,15 @@ def _command(side: str, args: list[str], folder: Path) -> list[str]:
 
 
 def _run(args: list[str], folder: Path, kill: bool, side: str = "") -> tuple[int, float]:
+    """Run one side in ``folder``; its exit code and seconds taken (the launch's wall-clock
+    time is written to ``folder/launched-at``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTRUN_FT_", "TORCHFT_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(TASK_DIR), DISTRUN_PLUGINS="ft_task",
                FT_RECORD=str(folder), FT_STEP_SLEEP="0.02")
     if kill:
         env.update(FT_KILL_STEP=str(KILL), FT_KILL_VICTIM="1")
     started = time.monotonic()
+    (folder / "launched-at").write_text(repr(time.time()))
     # its own session, so a run that hangs goes whole (torchrun's workers included)
     proc = subprocess.Popen(_command(side, args, folder), cwd=folder, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -125,6 +129,16 @@ def _measure(folder: Path, victim: tuple[int, int]) -> dict[str, float]:
             "loss": _final_loss(folder)}
 
 
+def _start_time(folder: Path, victim: tuple[int, int]) -> float:
+    """Seconds from the launch to the first commit of ``victim``'s rank (an uninterrupted run)."""
+    launched = float((folder / "launched-at").read_text())
+    return _rows(folder)[victim][0]["t"] - launched
+
+
+def _victim(side: str) -> tuple[int, int]:
+    return (1, 0) if side == "ft" else (0, 1)
+
+
 def _final_loss(folder: Path) -> float:
     """The MSE over the whole dataset of rank 0's final weights (replica 0 under --ft)."""
     import torch
@@ -142,51 +156,71 @@ def _final_loss(folder: Path) -> float:
         return float(torch.nn.functional.mse_loss(model(xs), ys))
 
 
-def _steady(args: list[str], trials: int) -> float:
-    rates = []
+def _rate(args: list[str]) -> float:
+    """Steps/s of one uninterrupted run (rank 0 of replica 0), or NaN when it fails."""
+    with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
+        code, _ = _run(args, Path(tmp), kill=False)
+        if code != 0:
+            return float("nan")
+        times = [r["t"] for r in _rows(Path(tmp))[(0, 0)]]
+        return (len(times) - 1) / (times[-1] - times[0])
+
+
+def _steady(trials: int) -> tuple[float, float]:
+    """Median steps/s of ``--ft`` and of plain ddp, launches alternated trial by trial."""
+    ft, plain = [], []
     for _ in range(trials):
-        with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
-            code, _ = _run(args, Path(tmp), kill=False)
-            if code == 0:
-                times = [r["t"] for r in _rows(Path(tmp))[(0, 0)]]
-                rates.append((len(times) - 1) / (times[-1] - times[0]))
-    return statistics.median(rates) if rates else float("nan")
+        ft.append(_rate(SIDES["ft"]))
+        plain.append(_rate(PLAIN))
+    return statistics.median(ft), statistics.median(plain)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=3, help="fault trials a side (0: none)")
+    parser.add_argument("--steady", type=int, default=3,
+                        help="uninterrupted launches a side for the steady state (0: none)")
     parser.add_argument("--sides", default=",".join(SIDES),
                         help=f"which sides, comma-separated (default: {','.join(SIDES)})")
     opts = parser.parse_args()
     trials, sides = opts.trials, {s: SIDES[s] for s in opts.sides.split(",")}
-    baseline = {}
-    for side, args in sides.items():
+    baseline, start = {}, {}
+    for side, args in (sides if trials else {}).items():
         with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
             code, _ = _run(args, Path(tmp), kill=False, side=side)
-            baseline[side] = _final_loss(Path(tmp)) if code == 0 else float("nan")
+            ok = code == 0
+            baseline[side] = _final_loss(Path(tmp)) if ok else float("nan")
+            start[side] = _start_time(Path(tmp), _victim(side)) if ok else float("nan")
     results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(trials):
         for side, args in sides.items():  # alternate the sides trial by trial
             with tempfile.TemporaryDirectory(prefix="distrun-ftb-") as tmp:
                 code, _ = _run(args, Path(tmp), kill=True, side=side)
                 if code == 0:
-                    victim = (1, 0) if side == "ft" else (0, 1)
-                    results[side].append(_measure(Path(tmp), victim))
+                    results[side].append(_measure(Path(tmp), _victim(side)))
+    if trials:
+        _table(results, trials, baseline, start)
+    if not opts.steady:
+        return 0
+    ft_rate, plain_rate = _steady(opts.steady)
+    print(f"steady state: --ft {ft_rate:.1f} steps/s, plain ddp {plain_rate:.1f} steps/s "
+          f"(ratio {ft_rate / plain_rate:.2f}; medians of {opts.steady} launches each, "
+          "alternated; each step sleeps 0.02 s in the task)")
+    return 0
+
+
+def _table(results: dict[str, list[dict[str, float]]], trials: int,
+           baseline: dict[str, float], start: dict[str, float]) -> None:
     print(f"kill 1 of 3 replicas at step {KILL} of {STEPS} ({trials} trials a side; "
           f"--ft-heartbeat {HEARTBEAT:g}, restart checkpoints every {CKPT} steps)")
     print(f"{'side':<9} {'ok':>5} {'steps lost':>10} {'stall s':>8} {'replacement s':>13} "
-          f"{'final loss':>10} {'uninterrupted':>13}")
+          f"{'start s':>7} {'final loss':>10} {'uninterrupted':>13}")
     for side, got in results.items():
         def med(key: str, got: list[dict[str, float]] = got) -> float:
             return statistics.median(r[key] for r in got) if got else float("nan")
 
         print(f"{side:<9} {len(got):>2}/{trials:<2} {med('lost'):>10.0f} {med('stall'):>8.2f} "
-              f"{med('replacement'):>13.2f} {med('loss'):>10.4f} {baseline[side]:>13.4f}")
-    ft_rate, plain_rate = _steady(SIDES["ft"], 1), _steady(PLAIN, 1)
-    print(f"steady state: --ft {ft_rate:.1f} steps/s, plain ddp {plain_rate:.1f} steps/s "
-          f"(ratio {ft_rate / plain_rate:.2f}; each step sleeps 0.02 s in the task)")
-    return 0
+              f"{med('replacement'):>13.2f} {start[side]:>7.2f} {med('loss'):>10.4f} {baseline[side]:>13.4f}")
 
 
 if __name__ == "__main__":
