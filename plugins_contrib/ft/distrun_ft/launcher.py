@@ -3,7 +3,8 @@
 Each replica group is a small torchrun world of its own (its ranks, its rendezvous store on the
 run's address, its run folder ``RUN_DIR/replica<G>`` for the logs and ``metrics.csv``; the
 checkpoint folder stays the run's). The groups meet only through torchft: the lighthouse this
-launcher starts (or ``--ft-lighthouse``), and the cross-group process group each rank's
+launcher starts on loopback, or ``--ft-lighthouse HOST:PORT`` (served by the launcher of the
+host that owns HOST, on HOST only, and used by every other one), and the cross-group process group each rank's
 Manager forms at every quorum. When a rank dies the launcher stops the rest of its group at
 once (so the group's heartbeat stops and the lighthouse drops it after ``--ft-heartbeat``
 seconds) and starts the group again, up to ``--ft-max-restarts`` times; the other groups are
@@ -46,7 +47,7 @@ from distrun.plugin import (
     with_values,
 )
 from distrun_ft.options import FtOptions
-from distrun_ft.settings import lighthouse_hostport, timeouts
+from distrun_ft.settings import lighthouse_here, lighthouse_hostport, timeouts
 
 __all__ = ["launch_ft", "ADDRESS_ENV", "BARRIER_ENV", "REPLICA_ENV", "GROUPS_ENV", "LIGHTHOUSE_ENV", "ATTEMPT_ENV"]
 
@@ -95,10 +96,10 @@ class _Group:
             p.wait()
 
 
-def _start_lighthouse(config: Any, groups: int) -> tuple[subprocess.Popen, str]:
+def _start_lighthouse(config: Any, bind: str = f"{LOOPBACK}:0") -> tuple[subprocess.Popen, str]:
     t = timeouts(config)
     min_replicas = int(FtOptions.of(config).ft_min_replicas)
-    cmd = [sys.executable, "-u", "-m", "distrun_ft.lighthouse", f"{LOOPBACK}:0",
+    cmd = [sys.executable, "-u", "-m", "distrun_ft.lighthouse", bind,
            str(min_replicas), str(int(t.heartbeat * 1000)), str(int(t.heartbeat * 1000))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
@@ -106,8 +107,8 @@ def _start_lighthouse(config: Any, groups: int) -> tuple[subprocess.Popen, str]:
     line = proc.stdout.readline().strip() if proc.stdout else ""  # its address, once bound
     if not line:
         proc.wait()
-        raise UsageError(f"the torchft lighthouse did not start (exit {proc.returncode}); "
-                         "check the torchft install: pip check")
+        raise UsageError(f"the torchft lighthouse did not start on {bind} (exit "
+                         f"{proc.returncode}); check the torchft install: pip check")
     return proc, line
 
 
@@ -186,8 +187,11 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         # groups on other hosts: this host's address on the route to the lighthouse (or
         # --local-addr)
         address = bind_address(2, host, config.local_addr)
+        here = lighthouse_here(host, port)
+        if here is not None:  # the URL names this host: serve the lighthouse here
+            lighthouse_proc, _ = _start_lighthouse(config, f"{here}:{port}")
     else:
-        lighthouse_proc, lighthouse = _start_lighthouse(config, n)
+        lighthouse_proc, lighthouse = _start_lighthouse(config)
     first = int(FtOptions.of(config).ft_first_replica)
     groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()

@@ -18,8 +18,8 @@ class FtOptions(PluginOptions, plugin="ft"):
         2, "replica groups this launcher starts under --ft, each of --nproc-per-node ranks",
         min=1)
     ft_lighthouse: str = option(
-        "", "a running torchft lighthouse, http://HOST:PORT (default: the launcher starts one "
-        "on the run's address)", metavar="URL")
+        "", "the run's torchft lighthouse, http://HOST:PORT: the launcher on the host that owns "
+        "HOST serves it there, the others use it (default: one on loopback, this host only)", metavar="URL")
     ft_max_restarts: int = option(
         3, "restarts of each replica group after it dies (its own budget; --max-restarts is "
         "the elastic plugin's whole-job restart)", min=0)

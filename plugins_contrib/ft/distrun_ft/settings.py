@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from distrun.plugin import UsageError, resolve_nproc
+from distrun.plugin import UsageError, interface_addresses, resolve_nproc
 from distrun_ft.options import FtOptions
 
-__all__ = ["Timeouts", "check_launch", "lighthouse_hostport", "sync_mode", "timeouts",
-           "TORCHFT_PIN"]
+__all__ = ["Timeouts", "check_launch", "lighthouse_here", "lighthouse_hostport", "sync_mode",
+           "timeouts", "TORCHFT_PIN"]
 
 #: what ``pip install`` fixes a missing torchft with (the pin of pyproject.toml)
 TORCHFT_PIN = "torchft-nightly==2026.10.26"
@@ -72,6 +73,26 @@ def lighthouse_hostport(url: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port
 
 
+def lighthouse_here(host: str, port: int) -> str | None:
+    """The address this launcher serves the ``--ft-lighthouse`` on, or None when another host
+    (or another launcher of this host) serves it: it serves it when its address is one of this
+    host's and nothing listens on its port yet, as torchrun's rendezvous endpoint is served by
+    the host it names."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if address not in set(interface_addresses().values()):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return None  # taken: served already
+    return address
+
+
 def check_launch(config: Any) -> None:
     """Everything ``--ft`` refuses, each in one line, before anything starts."""
     if importlib.util.find_spec("torchft") is None:
@@ -104,10 +125,23 @@ def check_launch(config: Any) -> None:
                          f"weights agree; use a multiple of {every}")
     if opts.ft_lighthouse:
         host, port = lighthouse_hostport(opts.ft_lighthouse)
+        if lighthouse_here(host, port) is None:  # another host's (or launcher's): wait for it
+            _reach(opts.ft_lighthouse, host, port, timeouts(config).connect)
+
+
+def _reach(url: str, host: str, port: int, within: float) -> None:
+    """Wait up to ``within`` seconds for the lighthouse (hosts start in any order), or a
+    UsageError."""
+    deadline = time.monotonic() + within
+    while True:
         try:
             socket.create_connection((host, port), timeout=5.0).close()
+            return
         except OSError as exc:
-            raise UsageError(f"cannot reach the torchft lighthouse at {opts.ft_lighthouse} "
-                             f"({exc.strerror or exc}): start one with `torchft_lighthouse "
-                             "--min_replicas 1 --bind HOST:PORT`, or leave --ft-lighthouse "
-                             "out") from None
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"cannot reach the torchft lighthouse at {url} within {within:g}s "
+                    f"({exc.strerror or exc}): start the launcher of the host it names "
+                    "(it serves it), or one with `torchft_lighthouse --min_replicas 1 --bind "
+                    "HOST:PORT`, or leave --ft-lighthouse out") from None
+        time.sleep(0.5)

@@ -21,7 +21,9 @@ def _closed_port() -> int:
 @pytest.mark.parametrize("extra, says", [
     (["--max-restarts", "2"], "use --ft-max-restarts N instead of --max-restarts"),
     (["--strategy", "pp"], "--ft does not support pipeline parallelism"),
-    (["--ft-lighthouse", "http://127.0.0.1:{port}"], "cannot reach the torchft lighthouse"),
+    # 127.0.0.2 is loopback but no interface's address: another host's lighthouse, not up
+    (["--ft-lighthouse", "http://127.0.0.2:{port}", "--timeout", "6", "--ft-heartbeat", "0.5"],
+     "cannot reach the torchft lighthouse at http://127.0.0.2"),
     (["--timeout", "8", "--ft-heartbeat", "2"], "--timeout 8 is too short for --ft-heartbeat 2"),
     (["--batch-size", "2"], "--batch-size 2 is smaller than the 4 ranks"),
 ], ids=["max-restarts", "pipeline", "lighthouse-unreachable", "timeouts", "batch"])

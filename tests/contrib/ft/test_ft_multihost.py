@@ -1,7 +1,8 @@
 """--ft across hosts: one `distrun run --ft` per host of the namespace testbed, one lighthouse.
 
 Three hosts, one replica group each (``--ft-first-replica`` gives each host its own group
-ids), all on the lighthouse host0 runs (``--ft-lighthouse``). While the three train in one
+ids), all given host0's address as ``--ft-lighthouse``: host0's launcher serves the lighthouse
+there, the others wait for it and use it. While the three train in one
 quorum nothing of the run listens on every interface. Then host2 is lost whole (every process
 on it SIGKILLed, its launcher included): host0 and host1 go on with two participants. Then
 host1's cable is pulled: host0 goes on alone, and once the cable is back host1's group rejoins
@@ -35,6 +36,7 @@ pytestmark = [
 
 SAMPLES, BATCH = 96, 16
 PER_EPOCH = SAMPLES // BATCH
+LIGHTHOUSE_PORT = 29510  # in host0's own network namespace: nothing else there
 STEPS = 60 * PER_EPOCH  # slowed until the test releases the run: it cannot end before
 
 
@@ -47,26 +49,24 @@ def _run_args(first: int, lighthouse: str) -> list[str]:
 
 
 class Hosts:
-    """The testbed, the lighthouse on host0 and one launcher per host; all of it goes at
-    :meth:`down` (the testbed kills every process in its namespaces)."""
+    """The testbed and one launcher per host (host0's serves the lighthouse); all of it goes
+    at :meth:`down` (the testbed kills every process in its namespaces)."""
 
     def __init__(self, record: Path, env: dict[str, str]) -> None:
         self.record, self.env = record, env
         self.bed = Testbed.up(3)
         self.launchers: list[subprocess.Popen] = []
-        self.lighthouse = self.bed[0].popen(
-            [sys.executable, "-m", "distrun_ft.lighthouse", f"{self.bed[0].address}:0", "1",
-             "1000", "1000"], env={**env, "RUST_LOG": "warn"}, stdout=subprocess.PIPE,
-            text=True)
-        self.url = self.lighthouse.stdout.readline().strip()
+        self.url = f"http://{self.bed[0].address}:{LIGHTHOUSE_PORT}"
 
     def start(self) -> None:
-        for host in self.bed:
+        started = {}
+        for host in reversed(self.bed):  # host0, which serves the lighthouse, starts last
             cwd = self.record / host.name
             cwd.mkdir()
             with open(cwd / "launcher.out", "w") as out:
-                self.launchers.append(host.popen(_run_args(host.index, self.url), env=self.env,
-                                                 cwd=cwd, stdout=out, stderr=subprocess.STDOUT))
+                started[host.index] = host.popen(_run_args(host.index, self.url), env=self.env,
+                                                 cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        self.launchers = [started[i] for i in range(len(self.bed))]
 
     def output(self, index: int) -> str:
         return (self.record / f"host{index}" / "launcher.out").read_text(errors="replace")
@@ -82,8 +82,6 @@ class Hosts:
             time.sleep(0.1)
 
     def down(self) -> None:
-        if self.lighthouse.stdout is not None:
-            self.lighthouse.stdout.close()
         self.bed.down()
 
 
