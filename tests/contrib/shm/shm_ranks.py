@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import os
 import time
@@ -374,7 +375,12 @@ def pid_of(rank: int, world: int) -> int:
 
 
 def failing_rank(rank: int, world: int, how: str, queue: Any) -> None:
-    """Rank 1 fails as ``how`` says in the middle of training; rank 0 reports what it saw."""
+    """Rank 1 fails as ``how`` says in the middle of training; rank 0 reports what it saw.
+
+    Each stage is reported, and a rank still running after 75 s prints every thread's stack
+    (captured by pytest): a hang says where it is."""
+    faulthandler.dump_traceback_later(75, exit=False)
+    queue.put(("stage", rank, "init"))
     init_shm(rank, world, timeout=60 if how != "stall" else 3)
     queue.put(("pid", rank, os.getpid()))
     t = torch.ones(1000)

@@ -19,23 +19,36 @@ import shm_ranks  # noqa: E402
 
 
 def _spawn(how: str, world: int = 2) -> tuple[dict[int, str], list[int | None]]:
+    """Rank 1 fails as ``how`` says; the results reported and each rank's exit code. When a
+    result is missing, ``results["seen"]`` lists every message that did arrive."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = []
-    for rank in range(world):
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        os.environ.update(env)
-        procs.append(ctx.Process(target=shm_ranks.failing_rank, args=(rank, world, how, queue)))
-        procs[-1].start()
-    results: dict[int, str] = {}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # what the spawned ranks inherit; restored below
+    try:
+        for rank in range(world):
+            procs.append(ctx.Process(target=shm_ranks.failing_rank,
+                                     args=(rank, world, how, queue)))
+            procs[-1].start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    results: dict = {}
+    seen: list = []
     try:
         while len(results) < (1 if how in ("kill", "exception") else world):
             kind, rank, *rest = queue.get(timeout=90)
+            seen.append((kind, rank, *rest))
             if kind == "result":
                 results[rank] = rest[0]
     except queue_mod.Empty:
-        pass
+        results["seen"] = seen
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
