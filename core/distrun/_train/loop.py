@@ -22,6 +22,7 @@ from distrun._train import models
 from distrun._train.datamodule import data_of, prepare
 from distrun._train.iterable import StreamCursor, stream_loader
 from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
+from distrun._train.metric_objects import place_metrics
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.optimizers import (
     build_optimizers,
@@ -60,6 +61,7 @@ def setup_run(run: Run) -> None:
     run.model = run.task.configure_model()
     if not isinstance(run.model, torch.nn.Module):
         raise UsageError("task.configure_model() must return a torch.nn.Module")
+    place_metrics(run.task, run.strategy.device)  # the task's metric objects, as the model
     run.hook.distrun_setup_model(run=run)
     run.hook.distrun_setup_optimizer(run=run)
     run.hook.distrun_setup_data(run=run)

@@ -11,6 +11,10 @@ step. Where a value goes depends on the stage, as in Lightning:
 - validation, test: averaged over the whole pass, weighted by each batch's real samples (the
   padding that evens out the ranks' batches counts zero), named ``val_NAME`` / ``test_NAME``.
 
+A torchmetrics metric object may be logged instead of a number (``self.log("val_acc",
+self.val_acc)``): its ``compute()`` is logged where an average would be, and it is reset
+there (see :mod:`distrun._train.metric_objects`).
+
 Every reduction is a sum over ranks of (weighted sum, weight) pairs, so a mean over ranks is
 the mean over all samples, whatever each rank saw. Ranks must log the same names (the pairs
 are packed by name in order of first use; a rank that logs a name the others never log makes
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from distrun._spec.errors import UsageError
+from distrun._train.metric_objects import MetricObjects, forward_value, is_metric
 
 __all__ = ["REDUCTIONS", "Accumulator", "LogTarget", "log", "logging_to"]
 
@@ -44,14 +49,19 @@ class Accumulator:
         self.reductions: dict[str, str] = {}  # name -> "mean" | "sum", in order of first use
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, float] = {}
+        #: the metric objects logged since the last :meth:`reduce`
+        self.objects = MetricObjects()
 
     def __bool__(self) -> bool:
-        return bool(self.reductions)
+        return bool(self.reductions) or bool(self.objects)
 
     def add(self, name: str, value: Any, weight: float = 1.0, reduce: str = "mean") -> None:
         if not isinstance(name, str) or not name:
             raise UsageError(f"log(name, value): the name must be a non-empty string, not "
                              f"{name!r}")
+        if name in self.objects.entries:
+            raise UsageError(f"log({name!r}, value): {name!r} was logged as a metric object "
+                             "before; log one kind of value per name")
         known = self.reductions.setdefault(name, reduce)
         if known != reduce:
             raise UsageError(f"log({name!r}, ..., reduce={reduce!r}): this name was logged "
@@ -80,10 +90,16 @@ class Accumulator:
 
     def reduce(self, strategy: Any, prefix: str = "") -> dict[str, float]:
         """Pack, sum over the ranks (one all-reduce through ``strategy``) and unpack: the
-        values since the last pack, the same on every rank. Every rank must call it."""
-        packed = self.pack(strategy.device)
-        strategy.all_reduce(packed, "sum")
-        return self.unpack(packed, prefix=prefix)
+        values since the last pack, the same on every rank; then the logged metric objects'
+        ``compute()`` (each gathers over the ranks itself), and their reset. Every rank must
+        call it."""
+        out: dict[str, float] = {}
+        if self.reductions:
+            packed = self.pack(strategy.device)
+            strategy.all_reduce(packed, "sum")
+            out = self.unpack(packed, prefix=prefix)
+        out.update(self.objects.compute(prefix=prefix))
+        return out
 
     def unpack(self, summed: Any, prefix: str = "") -> dict[str, float]:
         """The values of a packed (and summed over ranks) tensor, by name; names nobody logged
@@ -109,7 +125,7 @@ def _scalar(name: str, value: Any) -> torch.Tensor:
         return torch.tensor(float(value), dtype=torch.float64)
     except (TypeError, ValueError):
         raise UsageError(f"log({name!r}, value): {type(value).__name__} is not a number; log a "
-                         "float or a one-element tensor") from None
+                         "float, a one-element tensor or a torchmetrics metric") from None
 
 
 class LogTarget:
@@ -132,6 +148,9 @@ class LogTarget:
             on_step = training
         if on_epoch is None:
             on_epoch = not training
+        if is_metric(value):
+            self._add_metric(name, value, on_step, on_epoch)
+            return
         if not training:  # one value per pass
             self.epoch.add(name, value, self.weight, reduce)
             return
@@ -142,6 +161,28 @@ class LogTarget:
             self.epoch.add(name, value, self.weight, reduce)
         elif on_step:
             self.step.add(name, value, self.weight, reduce)  # type: ignore[union-attr]
+
+    def _add_metric(self, name: str, metric: Any, on_step: bool, on_epoch: bool) -> None:
+        """A metric object: computed (and reset) at the end of the pass or the epoch; in
+        training ``on_step`` logs the value of the step's batch."""
+        if self.step is None:
+            self._object(self.epoch, name, metric, True)
+            return
+        if on_step:
+            value = forward_value(metric)
+            if value is not None:  # (none after update() alone: Lightning logs none either)
+                self.step.add(name + "_step" if on_epoch else name, value, self.weight, "mean")
+        if on_epoch:
+            self._object(self.epoch, name + "_epoch" if on_step else name, metric, True)
+        else:  # reset when the epoch ends, as Lightning resets what was logged
+            self._object(self.epoch, name, metric, False)
+
+    @staticmethod
+    def _object(acc: Accumulator, name: str, metric: Any, computed: bool) -> None:
+        if name in acc.reductions:
+            raise UsageError(f"log({name!r}, metric): {name!r} was logged as a number before; "
+                             "log one kind of value per name")
+        acc.objects.add(name, metric, computed)
 
     def add_many(self, values: Mapping[str, Any], skip: str = "") -> None:
         """The keys of a dict a step returned (``skip``: the training loss)."""
@@ -166,11 +207,13 @@ def logging_to(target: LogTarget) -> Iterator[LogTarget]:
 
 def log(name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
         reduce: str = "mean") -> None:
-    """Log ``value`` (a number or a one-element tensor) as ``name`` from inside a step.
+    """Log ``value`` (a number, a one-element tensor or a torchmetrics metric object) as
+    ``name`` from inside a step.
 
     ``on_step``/``on_epoch`` default to Lightning's: per log row in training, per pass in
     validation and test. ``reduce`` is ``"mean"`` (over steps, samples and ranks) or
-    ``"sum"``. Every rank must log the same names.
+    ``"sum"``; a metric object reduces as it defines (its ``compute()``). Every rank must log
+    the same names.
     """
     if not _TARGETS:
         raise UsageError(f"log({name!r}, ...) was called outside a step; log from "

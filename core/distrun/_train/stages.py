@@ -7,12 +7,16 @@ batches (they keep the ranks' forward counts equal) weigh nothing, so:
 
 - a metric is the sample-weighted mean over the whole dataset, every sample counted once,
   summed over ranks in one all-reduce;
+- a logged metric object (torchmetrics) is computed over every rank's state at the end of the
+  pass, and a filler batch's step leaves its state as it was
+  (:func:`~distrun._train.metric_objects.metrics_untouched`);
 - predictions carry their dataset indices and come back in dataset order (or are written per
   rank to ``RUN_DIR/predictions`` with their indices, for outputs too large to gather).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from distrun._spec.errors import UsageError
+from distrun._train.metric_objects import metrics_untouched
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.run import Run
 from distrun._train.sampler import ShardedEvalSampler, is_map_dataset
@@ -106,7 +111,9 @@ def evaluate(run: Run, stage: str = "validate", limit: int | None = None) -> dic
                 break
             batch = to_device(batch, st.device)
             target.weight = float(real[i] if real is not None else batch_len(batch))
-            out = step_fn(model, batch)
+            filler = real is not None and real[i] == 0  # its forward runs, nothing counts
+            with metrics_untouched(run.task) if filler else contextlib.nullcontext():
+                out = step_fn(model, batch)
             if out is None:
                 continue
             target.add_many(out if isinstance(out, Mapping) else {"loss": out})
@@ -127,9 +134,11 @@ def predict(run: Run) -> Any:
     model.eval()
     with torch.no_grad():
         for i, batch in enumerate(loader):
+            if real is not None and real[i] == 0:  # a filler batch: its forward only
+                with metrics_untouched(run.task):
+                    step_fn(model, to_device(batch, st.device))
+                continue
             out = step_fn(model, to_device(batch, st.device))
-            if real is not None and real[i] == 0:
-                continue  # a filler batch
             outputs.append(to_cpu(out))
             if indices is not None:
                 order.extend(indices[i])

@@ -159,7 +159,11 @@ class Task:
             on_epoch: bool | None = None, reduce: str = "mean") -> None:
         """Log a number from a step: per log row in training (``on_step``), per epoch
         (``on_epoch``) or per pass in validation/test; reduced over ranks (``"mean"`` or
-        ``"sum"``), written by every logger. Every rank must log the same names."""
+        ``"sum"``), written by every logger. Every rank must log the same names.
+
+        ``value`` may be a torchmetrics metric the step updates (``self.log("val_acc",
+        self.val_acc)``): its ``compute()`` over every rank is logged at the end of the pass
+        or epoch, and it is reset there (:mod:`distrun._train.metric_objects`)."""
         from distrun._train.metrics import log
 
         log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)

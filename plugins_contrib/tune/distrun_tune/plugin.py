@@ -79,6 +79,14 @@ def distrun_run_fit(run: Any) -> Any:
     finder = TuneOptions.of(run.config).tune
     if finder == "off":
         return None  # the fit as usual
+    if getattr(run.task, "automatic_optimization", True) is False:
+        count = len(getattr(run.optimizer, "optimizers", None) or [run.optimizer])
+        several = f" with {count} optimizers" if count > 1 else ""
+        raise UsageError(
+            f"--tune {finder}: the finder takes the fit's steps (one optimizer, stepped by the "
+            f"loop), but {type(run.task).__name__} steps its optimizers itself "
+            f"(automatic_optimization = False{several}); tune a version of the task with "
+            "automatic optimization and one optimizer, or drop --tune")
     from distrun_tune.finders import run_finder
 
     return run_finder(run, finder)

@@ -17,6 +17,13 @@ def distrun_register_options(register):
 def distrun_setup_optimizer(run):
     # trylast: after the core built the task's optimizer and the strategy wrapped it.
     if ZeroOptions.of(run.config).zero:
+        if getattr(run.task, "automatic_optimization", True) is False:
+            count = len(getattr(run.optimizer, "optimizers", None) or [run.optimizer])
+            several = f" with {count} optimizers" if count > 1 else ""
+            raise UsageError(
+                f"--zero shards the one optimizer the loop steps, but {type(run.task).__name__} "
+                f"steps its optimizers itself (automatic_optimization = False{several}); drop "
+                "--zero (--strategy fsdp shards every optimizer's state)")
         dims = run.stash.get(PARALLEL_DIMS)
         if dims is not None and dims.pp > 1:
             raise UsageError("--zero does not compose with pipeline parallel (see the "

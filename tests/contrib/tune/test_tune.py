@@ -17,7 +17,7 @@ from distrun.testing import run_cli
 HERE = Path(__file__).resolve().parent
 TASKS = HERE / "tune_tasks.py"
 sys.path.insert(0, str(HERE))  # tune_tasks, for the in-process Trainer test
-from tune_tasks import MIB, Quadratic  # noqa: E402
+from tune_tasks import MIB, ManualQuadratic, Quadratic  # noqa: E402
 
 needs_ddp = pytest.mark.skipif(importlib.util.find_spec("distrun_ddp") is None,
                                reason="two ranks need the ddp strategy (distrun-ddp)")
@@ -128,6 +128,25 @@ def test_a_budget_that_is_not_a_size_is_one_line(tmp_path):
     assert "error: --tune-max-memory 'lots' is not a size (write e.g. 4GiB, 512MiB or 2GB)" \
         in result.stderr, result
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_finders_refuse_manual_optimization_in_one_line(distrun_pm, tmp_path, capsys):
+    import distrun
+    import distrun_tune.plugin
+
+    with pytest.raises(SystemExit) as exited:
+        distrun.Trainer(plugins=(distrun_tune.plugin,), tune="lr", batch_size=8,
+                        summary=False, run_dir=str(tmp_path / "run")).fit(ManualQuadratic())
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: --tune lr: the finder takes the fit's steps (one optimizer, stepped by the "
+        "loop), but ManualQuadratic steps its optimizers itself (automatic_optimization = "
+        "False); tune a version of the task with automatic optimization and one optimizer, "
+        "or drop --tune"], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "tune").exists()  # no finder step ran
 
 
 def test_tune_lists_its_finders(cli):

@@ -72,3 +72,17 @@ class MemoryHog(distrun.Task):
         # the activations of a large model, in one tensor: written, so every page is resident
         hog = torch.ones(len(x), self.per_sample // 4)
         return nn.functional.mse_loss(model(x), y) + 0.0 * hog[:, 0].mean()
+
+
+class ManualQuadratic(Quadratic):
+    """The quadratic with manual optimization (the finders refuse it)."""
+
+    automatic_optimization = False
+
+    def training_step(self, model, batch):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(model, batch)
+        self.manual_backward(loss)
+        opt.step()
+        return loss

@@ -12,7 +12,7 @@ import torch
 from distrun.testing import run_on_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # zero_tasks, importable by spawned ranks too
-from zero_tasks import fit_zero  # noqa: E402
+from zero_tasks import TwoOptimizers, fit_zero  # noqa: E402
 
 COMMON = dict(strategy="ddp", batch_size=16, max_steps=6, seed=2, timeout=120)
 HAVE_JOIN = importlib.util.find_spec("distrun_join") is not None
@@ -105,3 +105,20 @@ def test_checkpoint_resume_with_zero_matches_an_uninterrupted_run(tmp_path):
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     for name in a:  # Adam's moments came back through the checkpoint, shard by shard
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_zero_refuses_manual_optimization_in_one_line(distrun_pm, tmp_path, capsys):
+    import distrun
+    import distrun_zero.plugin
+
+    with pytest.raises(SystemExit) as exited:
+        distrun.Trainer(plugins=(distrun_zero.plugin,), zero=True, max_steps=1, batch_size=16,
+                        summary=False, run_dir=str(tmp_path / "run")).fit(TwoOptimizers())
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: --zero shards the one optimizer the loop steps, but TwoOptimizers steps its "
+        "optimizers itself (automatic_optimization = False with 2 optimizers); drop --zero "
+        "(--strategy fsdp shards every optimizer's state)"], err
+    assert "Traceback" not in err

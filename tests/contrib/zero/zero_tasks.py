@@ -47,6 +47,27 @@ class Blocks(distrun.Task):
         return F.mse_loss(model(x), y)
 
 
+class TwoOptimizers(Blocks):
+    """Manual optimization with two optimizers, one per half of the blocks (a GAN's shape)."""
+
+    automatic_optimization = False
+
+    def configure_optimizers(self, model: nn.Module) -> list[torch.optim.Optimizer]:
+        params = list(model.parameters())
+        half = len(params) // 2
+        return [torch.optim.Adam(params[:half], lr=1e-3), torch.optim.Adam(params[half:], lr=1e-3)]
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(model(x), y)
+        for opt in self.optimizers():
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+        return loss
+
+
 class _Batches:
     def __init__(self, batches: list[Any]) -> None:
         self.batches = batches
