@@ -122,11 +122,11 @@ class PipelineStrategy(BaseStrategy):
         meshes = {r: self._stage_mesh(r) for r in range(self.pp_size)}
         owner = {n: where[s] for s, (lo, hi) in enumerate(ranges) for n in chain.order[lo:hi]}
         state.place_holders(model, {n: meshes[owner[n]] for n in chain.order if n not in owned})
-        for name in owned:  # only what this rank runs goes to its device
+        for name in [*owned, *chain.shared]:  # only what this rank runs goes to its device
             model.get_submodule(name).to(self.device)
         modules = [self._wrap_stage(m, chain) for m in trees]
         state.shared_state_dict(model, self.dp_mesh)
-        self.pipeline = Pipeline(self, modules, mine)
+        self.pipeline = Pipeline(self, modules, mine, trees)
         return model
 
     def _wrap_stage(self, module: split.StageModule, chain: split.Chain) -> nn.Module:

@@ -50,6 +50,21 @@ def test_pp_sequential_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_decoder_shaped_like_transformers_matches_one_process(tmp_path: Path) -> None:
+    """What a transformers causal LM does under pp: dict batches (input_ids, labels), positions
+    from the embedding's shape on every stage, a stateless rotary embedding registered after
+    the layers but called before them (kept by every stage, not cut), and a mapping output
+    whose non-tensor (a cache) is dropped while the task's steps still index `["logits"]`."""
+    opts = dict(max_steps=8, val_every_n_steps=8)
+    ref = reference("decoder", dict(opts, run_dir=str(tmp_path / "single")))
+    out = run_on_ranks(train_many, 2, [("decoder", dict(opts, strategy="pp", run_dir=str(
+        tmp_path / "pp"), port=free_port()))], timeout=240)
+    _check_parity(ref, [o[0] for o in out], 8)
+    assert "model.embed_tokens.weight" in out[0][0]["state"]
+    assert "lm_head.weight" in out[1][0]["state"]
+
+
+@pytest.mark.slow
 def test_every_schedule_matches_one_process(tmp_path: Path, cpu_backend: str) -> None:
     """The tiny GPT over 20 steps under each schedule; gradient accumulation and clipping."""
     base = dict(max_steps=20, val_every_n_steps=10)
