@@ -6,6 +6,7 @@ by distrun and saved as a folder ``AutoModelForCausalLM.from_pretrained`` loads.
     distrun run --nproc-per-node 2 --strategy fsdp examples/hf_causal_lm.py --model gpt2 --save out/gpt2
     distrun run --nproc-per-node 2 --strategy tp   examples/hf_causal_lm.py --save out/llama-tp
     distrun run --nproc-per-node 2 --strategy pp   examples/hf_causal_lm.py --save out/llama-pp
+    distrun run --nproc-per-node 2 --strategy pp   examples/hf_causal_lm.py --model gpt2 --save out/gpt2-pp
     # start from a saved folder, under any strategy:
     distrun run --nproc-per-node 2 --strategy fsdp --init-weights out/llama examples/hf_causal_lm.py
 
@@ -25,8 +26,8 @@ any strategy, each rank only what it holds. Under ``--strategy tp`` the Llama is
 transformers' own plan (``base_model_tp_plan``; see ``parallelize_plan``); under ``pp`` at its
 ``model.layers`` (distrun-pipeline's automatic split: the embedding in the first stage, the
 norm and ``lm_head`` in the last; the rotary embedding, which holds no state, in every stage).
-GPT-2 does not run under pp: its ``lm_head`` is tied to its token embedding, which the first
-stage holds, and distrun-pipeline refuses weights tied across stages.
+GPT-2 too: its ``lm_head``, tied to the token embedding, is held by the first and the last
+stage, whose gradients of it are summed before each step; the folder holds it once.
 """
 
 from __future__ import annotations

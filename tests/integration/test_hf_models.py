@@ -155,3 +155,41 @@ def test_a_transformers_model_under_pipeline_parallel(tmp_path):
         want, got = _tensors(tmp_path / source), _tensors(tmp_path / name)
         assert set(got) == set(want)
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_gpt2_with_its_tied_head_under_pipeline_parallel(tmp_path):
+    """GPT-2's lm_head is its token embedding, which falls in the first stage while the head
+    falls in the last: both stages hold the weight and their gradients are summed before each
+    step (the tie's gradient parity with one process: tests/plugins/pipeline). The folder holds
+    it once, from the first stage's shard, and transformers ties the head back; the folder
+    loads back into pp unchanged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("distrun_pipeline", reason="needs distrun-pipeline")
+    common = ("--nproc-per-node", "2", "--strategy", "pp", "--no-progress")
+    pp = run_cli("run", *common, "--max-steps", "4", "--name", "pp", "--ckpt-save-on-end",
+                 EXAMPLE, "--model", "gpt2", "--save", "out", cwd=tmp_path, timeout=400)
+    assert pp.returncode == 0, pp
+    assert "stage 1 (pp rank 1): transformer.h.2..3, transformer.ln_f, lm_head:" in pp.output
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert index["weight_map"]["transformer.wte.weight"] == "model-00001-of-00002.safetensors"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    mine = model.state_dict()
+    consolidated = run_cli("ckpt", "consolidate", "runs/pp/checkpoints/latest", "ref",
+                           cwd=tmp_path)
+    assert consolidated.returncode == 0, consolidated
+    reference = _tensors(tmp_path / "ref")
+    assert set(reference) == set(mine)
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+
+    back = run_cli("run", *common, "--max-steps", "1", "--name", "b", "--init-weights", "out",
+                   EXAMPLE, "--model", "gpt2", "--lr", "0", "--save", "back", cwd=tmp_path,
+                   timeout=400)
+    assert back.returncode == 0, back
+    saved, again = _tensors(tmp_path / "out"), _tensors(tmp_path / "back")
+    assert set(again) == set(saved)
+    assert all(torch.equal(again[k], saved[k]) for k in saved)

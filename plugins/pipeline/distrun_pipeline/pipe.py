@@ -96,6 +96,8 @@ class Pipeline:
                                if s.is_last), None)
         #: the form of the training batches (a pair or a mapping), for the task's loss
         self.batch_like: Any = ()
+        #: weights tied across stages held here: (parameter, group of its holders, counted)
+        self.tied: list[tuple[nn.Parameter, Any, bool]] = []
         # the pp rank holding the last stage: where the loss comes from
         self.last_rank = schedules.placement(strategy.pp_size, strategy.v)[n - 1]
         self._zero = torch.zeros((), device=strategy.device)
@@ -118,6 +120,18 @@ class Pipeline:
                 loss = loss["loss"]
         return loss / self.scale
 
+    def sync_tied(self) -> None:
+        """Sum the gradients of weights tied across stages over the ranks holding them (each
+        stage saw one use of the weight), so every copy takes the same step. Under pp+ddp the
+        sum also runs over the data-parallel replicas, which DDP already averaged: divided
+        back by their number."""
+        for p, group, _ in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+            if self.st.dp_world_size > 1:
+                p.grad.div_(self.st.dp_world_size)
+
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, group=self.st.pp_group, group_src=self.last_rank)
         return t
@@ -134,7 +148,7 @@ class Pipeline:
         self._train_mode(True)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
-        self.schedule.step(*args, target=y, losses=losses)
+        self.schedule.step(*args, target=y, losses=losses, stage_input=x)
         if self.last:
             loss = torch.stack([t.detach() for t in losses]).float().sum() * self.accum
         else:
@@ -154,7 +168,7 @@ class Pipeline:
             x = torch.cat([x, x[-1:].expand(full - n, *x.shape[1:])])
             y = torch.cat([y, y[-1:].expand(full - n, *y.shape[1:])])
         self._train_mode(False)
-        out = self.schedule.eval(*((x,) if self.first else ()), target=y)
+        out = self.schedule.eval(*((x,) if self.first else ()), target=y, stage_input=x)
         values: list[Any] = [None]
         if self.last:
             result = step_fn(_Returns(self.model_output(out[:n])), batch)
@@ -187,6 +201,10 @@ class PipelineHooks:
     @hookimpl(tryfirst=True)
     def distrun_backward(self, run, loss):
         return True  # the schedule's step did it
+
+    @hookimpl(tryfirst=True)
+    def distrun_optimizer_step(self, run):
+        self._pipe().sync_tied()  # then the core's step (clipping included): returns None
 
     def patch_eval(self, task: Any) -> None:
         """Route the task's evaluation steps through the schedule (undone at teardown)."""

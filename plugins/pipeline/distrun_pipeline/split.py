@@ -11,10 +11,10 @@ replaced by parameter-free stand-ins:
   the previous stage; earlier stand-ins return zeros shaped like that activation (what they
   compute is dropped).
 
-So the forward must pass one hidden-state tensor through the blocks one after the other, and
-what it does before the first block may only use the input's shape and the shape of what the
-skipped modules return (later stages call it with the received activation, and a skipped
-module returns zeros shaped like that activation). Embeddings and whatever is registered
+So the forward must pass one hidden-state tensor through the blocks one after the other. Every
+stage calls it with the batch's own input (the received activation enters at the stand-in), so
+what it does before the first block may read the input freely, but not the values of what the
+skipped modules return (zeros shaped like the activation). Embeddings and whatever is registered
 before the blocks go to the first stage; norms, heads and whatever is registered after them to
 the last. Modules around the blocks that hold no state (no parameters, no persistent buffers:
 a Hugging Face model's rotary embedding, a dropout) are not cut at all: every stage runs them,
@@ -262,9 +262,13 @@ class StageModule(nn.Module):
         #: (mapping type, key) when the model's forward returned a mapping (the last stage)
         self.form: tuple[type, str] | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, stage_input: Any = None, **kwargs: Any) -> Any:
+        """``args[0]``: the batch's input (first stage) or the received activation (others,
+        which get the batch's input as ``stage_input``)."""
         if not self.first:
             self._slot.h = args[0]
+            if stage_input is not None:  # the model's forward reads the batch's own input
+                args = (stage_input, *args[1:])
         try:
             return self._tensor_of(self.tree(*args, **kwargs))
         except _StageOutput as out:

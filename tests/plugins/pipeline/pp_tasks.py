@@ -132,23 +132,32 @@ class _Decoder(nn.Module):
 class DecoderLM(nn.Module):
     """Shaped like a transformers causal LM: ``model.{embed_tokens, layers, norm, rotary_emb}``
     and ``lm_head``; positions come from the embedding's shape, the rotary embedding is called
-    before the layers, and the output is a mapping with the logits and a non-tensor (a cache)."""
+    before the layers, and the output is a mapping with the logits and a non-tensor (a cache).
+    ``tied``: the head is the token embedding and the logits are shaped by the input's shape,
+    as GPT-2's."""
 
-    def __init__(self, vocab: int = 16, dim: int = 16, layers: int = 4) -> None:
+    def __init__(self, vocab: int = 16, dim: int = 16, layers: int = 4,
+                 tied: bool = False) -> None:
         super().__init__()
         self.model = _Decoder(vocab, dim, layers)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        batch, length = input_ids.shape  # the batch's own input, on every stage
         h = self.model.embed_tokens(input_ids)
         pos = self.model.rotary_emb(h, torch.arange(h.shape[1], device=h.device))
         for layer in self.model.layers:
             h = layer(h, pos)
-        return {"logits": self.lm_head(self.model.norm(h)), "cache": object()}
+        logits = self.lm_head(self.model.norm(h))
+        return {"logits": logits.view(batch, length, -1), "cache": object()}
 
 
 class DecoderTask(SeqTask):
     """Next-token prediction with transformers-style batches ``{"input_ids", "labels"}``."""
+
+    tied = False
 
     def __init__(self) -> None:
         starts = torch.randint(16, (256,), generator=torch.Generator().manual_seed(0))
@@ -158,7 +167,7 @@ class DecoderTask(SeqTask):
         self.ids = torch.stack(rows, dim=1)
 
     def configure_model(self) -> nn.Module:
-        return DecoderLM()
+        return DecoderLM(tied=self.tied)
 
     def train_data(self) -> Any:
         return [{"input_ids": row[:-1], "labels": row[1:]} for row in self.ids]
@@ -189,6 +198,10 @@ def make_task(name: str) -> Any:
         return UnevenTask()
     if name == "decoder":
         return DecoderTask()
+    if name == "decoder-tied":
+        task = DecoderTask()
+        task.tied = True
+        return task
     os.environ.setdefault("TINY_GPT_CHARS", "6000")
     os.environ.setdefault("TINY_GPT_DIM", "32")
     os.environ.setdefault("TINY_GPT_LAYERS", "4")

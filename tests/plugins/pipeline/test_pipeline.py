@@ -54,14 +54,24 @@ def test_a_decoder_shaped_like_transformers_matches_one_process(tmp_path: Path) 
     """What a transformers causal LM does under pp: dict batches (input_ids, labels), positions
     from the embedding's shape on every stage, a stateless rotary embedding registered after
     the layers but called before them (kept by every stage, not cut), and a mapping output
-    whose non-tensor (a cache) is dropped while the task's steps still index `["logits"]`."""
-    opts = dict(max_steps=8, val_every_n_steps=8)
-    ref = reference("decoder", dict(opts, run_dir=str(tmp_path / "single")))
-    out = run_on_ranks(train_many, 2, [("decoder", dict(opts, strategy="pp", run_dir=str(
-        tmp_path / "pp"), port=free_port()))], timeout=240)
-    _check_parity(ref, [o[0] for o in out], 8)
+    whose non-tensor (a cache) is dropped while the task's steps still index `["logits"]`.
+    Then with the head tied to the token embedding (GPT-2's way) and the output shaped by the
+    input's shape: both end stages hold the weight, their gradients summed (and counted once
+    when clipping), the weights stay equal to one process's (and to each other)."""
+    runs = {"decoder": dict(max_steps=8, val_every_n_steps=8),
+            # clipping: the tied weight's gradient counts once in the global norm
+            "decoder-tied": dict(max_steps=8, val_every_n_steps=8, grad_clip=0.5)}
+    refs = [reference(name, dict(opts, run_dir=str(tmp_path / f"single-{name}")))
+            for name, opts in runs.items()]
+    out = run_on_ranks(train_many, 2, [(name, dict(opts, strategy="pp", run_dir=str(
+        tmp_path / f"pp-{name}"), port=free_port())) for name, opts in runs.items()],
+        timeout=240)
+    for i, ref in enumerate(refs):
+        _check_parity(ref, [o[i] for o in out], 8)
     assert "model.embed_tokens.weight" in out[0][0]["state"]
-    assert "lm_head.weight" in out[1][0]["state"]
+    assert "model.embed_tokens.weight" not in out[1][0]["state"]
+    tied = [o[1]["state"] for o in out]  # both ranks hold the tied weight, equal
+    assert tied[0]["lm_head.weight"] == tied[1]["model.embed_tokens.weight"]
 
 
 @pytest.mark.slow
