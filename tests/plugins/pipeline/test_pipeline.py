@@ -94,16 +94,22 @@ def test_every_schedule_matches_one_process(tmp_path: Path, cpu_backend: str) ->
 
 @pytest.mark.slow
 def test_pp_ddp_and_pp_fsdp_on_four_ranks(tmp_path: Path, cpu_backend: str) -> None:
-    """2 stages x 2 data-parallel replicas (DDP), and x 2 shards (FSDP2), match one process."""
+    """2 stages x 2 data-parallel replicas (DDP), and x 2 shards (FSDP2), match one process;
+    and under pp+ddp a head tied to the token embedding (summed over the stages after DDP's
+    average over the replicas)."""
     opts = dict(max_steps=20, val_every_n_steps=10, grad_clip=0.5)
     ref = reference("gpt", dict(opts, run_dir=str(tmp_path / "single")))
+    tied = dict(max_steps=8, val_every_n_steps=8, grad_clip=0.5)
+    ref_tied = reference("decoder-tied", dict(tied, run_dir=str(tmp_path / "single-tied")))
     runs = [("gpt", dict(opts, strategy=name, pp=2, port=free_port(),
                          run_dir=str(tmp_path / name.replace("+", "-"))))
             for name in ("pp+ddp", "pp+fsdp")]
+    runs.append(("decoder-tied", dict(tied, strategy="pp+ddp", pp=2, port=free_port(),
+                                      run_dir=str(tmp_path / "tied"))))
     per_rank = run_on_ranks(train_many, 4, runs, timeout=600, backend=cpu_backend)
-    for i in range(2):
+    for i, (reference_run, steps) in enumerate([(ref, 20), (ref, 20), (ref_tied, 8)]):
         out = [r[i] for r in per_rank]
-        _check_parity(ref, out, 20)
+        _check_parity(reference_run, out, steps)
         # mesh pp x dp: ranks 0,1 are stage 0 (data ranks 0,1), ranks 2,3 stage 1
         assert [o["dp"] for o in out] == [(0, 2), (1, 2), (0, 2), (1, 2)]
 
