@@ -5,23 +5,35 @@ by distrun and saved as a folder ``AutoModelForCausalLM.from_pretrained`` loads.
     distrun run --nproc-per-node 2 --strategy ddp  examples/hf_causal_lm.py --save out/llama
     distrun run --nproc-per-node 2 --strategy fsdp examples/hf_causal_lm.py --model gpt2 --save out/gpt2
     distrun run --nproc-per-node 2 --strategy tp   examples/hf_causal_lm.py --save out/llama-tp
+    distrun run --nproc-per-node 2 --strategy pp   examples/hf_causal_lm.py --save out/llama-pp
+    distrun run --nproc-per-node 2 --strategy pp   examples/hf_causal_lm.py --model gpt2 --save out/gpt2-pp
     # start from a saved folder, under any strategy:
     distrun run --nproc-per-node 2 --strategy fsdp --init-weights out/llama examples/hf_causal_lm.py
 
 The model is a 4-layer Llama (or GPT-2, whose output head is tied to its token embedding)
 with a vocabulary of 64, made with ``AutoModelForCausalLM.from_config``. The data are
 sequences of a fixed rule (each token is ``3 * previous + 1`` modulo the vocabulary, from a
-random start), so the loss falls from ln(64) ~ 4.2 quickly. ``--save FOLDER`` writes
-``config.json`` and ``model.safetensors`` after the fit: the ranks gather the full state dict
-(FSDP's shards included) onto rank 0's CPU, which calls ``save_pretrained``; a tied weight is
-written once, under its first name, as transformers writes it. ``--init-weights FOLDER`` (distrun-safetensors) reads such
-a folder into any strategy, each rank only what it holds. Under ``--strategy tp`` the Llama is
-split by transformers' own plan (``base_model_tp_plan``; see ``parallelize_plan``).
+random start), so the loss falls from ln(64) ~ 4.2 quickly. The loss is computed from the
+logits by the task (transformers' own ``ForCausalLMLoss``, what the model computes when given
+``labels=``), so that it is the same under ``--strategy pp``, whose last stage hands the task
+the logits. ``--save FOLDER`` writes ``config.json`` and the weights after the fit: the ranks
+gather the full state dict (FSDP's shards included) onto rank 0's CPU, which calls
+``save_pretrained``; a tied weight is written once, under its first name, as transformers
+writes it. Under pp each stage writes the tensors it holds as one shard of a sharded folder
+(``model-0000N-of-0000M.safetensors`` and the ``model.safetensors.index.json`` naming them):
+nothing is gathered. ``--init-weights FOLDER`` (distrun-safetensors) reads such a folder into
+any strategy, each rank only what it holds. Under ``--strategy tp`` the Llama is split by
+transformers' own plan (``base_model_tp_plan``; see ``parallelize_plan``); under ``pp`` at its
+``model.layers`` (distrun-pipeline's automatic split: the embedding in the first stage, the
+norm and ``lm_head`` in the last; the rotary embedding, which holds no state, in every stage).
+GPT-2 too: its ``lm_head``, tied to the token embedding, is held by the first and the last
+stage, whose gradients of it are summed before each step; the folder holds it once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -103,10 +115,20 @@ class CausalLMTask(distrun.Task):
         return RuleSequences(64, seed=1)
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return model(**batch).loss
+        return next_token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
 
     def validation_step(self, model: nn.Module, batch: Any) -> Any:
-        return {"loss": model(**batch).loss}
+        return {"loss": next_token_loss(model(input_ids=batch["input_ids"]).logits,
+                                        batch["labels"])}
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss of ``logits``: the function the model itself applies to ``labels=``
+    (so ``model(**batch).loss`` is the same number), called here, where pp's last stage, which
+    sees the logits and not the labels, can call it too."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=VOCAB)
 
 
 def save_pretrained(run: Any, folder: str) -> None:
@@ -115,6 +137,9 @@ def save_pretrained(run: Any, folder: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = run.unwrapped_model()
+    if run.strategy.name in ("pp", "pp+ddp", "pp+fsdp"):
+        save_stages(run, model, folder)
+        return
     full = get_model_state_dict(model, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
     # A tied parameter (GPT-2's lm_head is its token embedding) is written once, under its
@@ -125,6 +150,52 @@ def save_pretrained(run: Any, folder: str) -> None:
             full.pop(name, None)
     if run.is_global_zero:
         model.save_pretrained(folder, state_dict=full)
+    run.strategy.barrier()
+
+
+def save_stages(run: Any, model: nn.Module, folder: str) -> None:
+    """Under a pipeline strategy: each stage writes the tensors it holds as one shard of the
+    sharded layout ``save_pretrained`` writes, and rank 0 the index and ``config.json``.
+
+    A rank's model has every name; another stage's tensors are placeholders (DTensors on a mesh
+    without this rank), its own are DTensors on the mesh of the ranks holding them, of which
+    the first writes them (after FSDP's shards are gathered)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    first: dict[int, str] = {}
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name}
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            coordinate = t.device_mesh.get_coordinate()
+            if coordinate is None:  # another stage's
+                continue
+            t = t.full_tensor()  # (FSDP's shards: a collective of the stage's ranks)
+            if any(coordinate):  # the first of the ranks holding it writes it
+                continue
+        if name not in tied:
+            mine[name] = t.detach().cpu().contiguous()
+    shards: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {k: v.nbytes for k, v in mine.items()})
+    writers = [rank for rank, names in enumerate(shards) if names]
+    os.makedirs(folder, exist_ok=True)
+    files = {rank: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors"
+             for i, rank in enumerate(writers)}
+    if dist.get_rank() in files:
+        save_file(mine, os.path.join(folder, files[dist.get_rank()]), metadata={"format": "pt"})
+    if run.is_global_zero:
+        weight_map = {name: files[rank] for rank in writers for name in shards[rank]}
+        total = sum(size for rank in writers for size in shards[rank].values())
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(folder)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
     run.strategy.barrier()
 
 

@@ -8,19 +8,29 @@ replaced by parameter-free stand-ins:
 - a stand-in *after* the stage's last module ends the forward: its input is the stage's
   output (the next stage receives it);
 - the stand-in right *before* the stage's first module returns the activation received from
-  the previous stage; earlier stand-ins return a zero scalar (what they compute is dropped).
+  the previous stage; earlier stand-ins return zeros shaped like that activation (what they
+  compute is dropped).
 
-So the forward must pass one hidden-state tensor through the blocks one after the other, and
-what it does before the first block may only use the input's shape (later stages call it with
-the received activation). Embeddings and whatever is registered before the blocks go to the
-first stage; norms, heads and whatever is registered after them to the last.
+So the forward must pass one hidden-state tensor through the blocks one after the other. Every
+stage calls it with the batch's own input (the received activation enters at the stand-in), so
+what it does before the first block may read the input freely, but not the values of what the
+skipped modules return (zeros shaped like the activation). Embeddings and whatever is registered
+before the blocks go to the first stage; norms, heads and whatever is registered after them to
+the last. Modules around the blocks that hold no state (no parameters, no persistent buffers:
+a Hugging Face model's rotary embedding, a dropout) are not cut at all: every stage runs them,
+wherever the forward calls them.
+
+The last stage's output crosses into torch's schedule, which takes tensors: a mapping output
+with one tensor among its values (a ``transformers`` ``ModelOutput`` holding ``logits``, the
+non-tensor cache dropped) hands on that tensor, and :meth:`StageModule.as_model_output` puts it
+back in the same mapping type for the task's loss and evaluation steps.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,12 +47,14 @@ DECLARE = ("declare the split: give the task `pipeline_split_points = ['blocks.4
 
 @dataclass
 class Chain:
-    """The model as an ordered list of modules: ``pre`` + ``blocks`` + ``post`` (names)."""
+    """The model as an ordered list of modules: ``pre`` + ``blocks`` + ``post`` (names);
+    ``shared``: the stateless modules around the blocks, which every stage keeps."""
 
     pre: list[str]
     blocks: list[str]
     post: list[str]
     container: str
+    shared: list[str] = field(default_factory=list)
 
     @property
     def order(self) -> list[str]:
@@ -55,6 +67,15 @@ def _join(prefix: str, name: str) -> str:
 
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _stateless(module: nn.Module) -> bool:
+    """No parameters and no persistent buffers: nothing to own, the same in every stage."""
+    if any(True for _ in module.parameters()):
+        return False
+    return not any(key not in mod._non_persistent_buffers_set
+                   for mod in module.modules() for key, b in mod._buffers.items()
+                   if b is not None)
 
 
 def _chain_of(model: nn.Module, container: str) -> Chain:
@@ -75,7 +96,9 @@ def _chain_of(model: nn.Module, container: str) -> Chain:
         module = module._modules[part]  # type: ignore[assignment]
         prefix = _join(prefix, part)
     blocks = [_join(container, n) for n, m in module._modules.items() if m is not None]
-    return Chain(pre=pre, blocks=blocks, post=post, container=container)
+    shared = [n for n in [*pre, *post] if _stateless(model.get_submodule(n))]
+    return Chain(pre=[n for n in pre if n not in shared], blocks=blocks,
+                 post=[n for n in post if n not in shared], container=container, shared=shared)
 
 
 def find_chain(model: nn.Module, split_points: Sequence[str] | None = None) -> Chain:
@@ -201,7 +224,10 @@ class _Absent(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.role == "enter":
             return self._slot.h
-        if self.role == "skip":
+        if self.role == "skip":  # zeros shaped like the activation, without memory of its own
+            h = self._slot.h
+            if isinstance(h, torch.Tensor):
+                return torch.zeros((), dtype=h.dtype, device=h.device).expand(h.shape)
             return torch.zeros(())
         value = args[0] if args else next(iter(kwargs.values()))
         raise _StageOutput(value)
@@ -233,16 +259,43 @@ class StageModule(nn.Module):
         self.first = first
         self.names = names
         object.__setattr__(self, "_slot", slot)
+        #: (mapping type, key) when the model's forward returned a mapping (the last stage)
+        self.form: tuple[type, str] | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, stage_input: Any = None, **kwargs: Any) -> Any:
+        """``args[0]``: the batch's input (first stage) or the received activation (others,
+        which get the batch's input as ``stage_input``)."""
         if not self.first:
             self._slot.h = args[0]
+            if stage_input is not None:  # the model's forward reads the batch's own input
+                args = (stage_input, *args[1:])
         try:
-            return self.tree(*args, **kwargs)
+            return self._tensor_of(self.tree(*args, **kwargs))
         except _StageOutput as out:
             return out.value
         finally:
             self._slot.h = None
+
+    def _tensor_of(self, out: Any) -> Any:
+        """A mapping output (a ``ModelOutput``) as its one tensor: the schedule takes tensors."""
+        if not isinstance(out, Mapping):
+            return out
+        tensors = [(k, v) for k, v in out.items() if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1:
+            raise UsageError(
+                f"pipeline: the model's forward returned a {type(out).__name__} with "
+                f"{len(tensors)} tensors ({', '.join(k for k, _ in tensors) or 'none'}); the "
+                "last stage hands on one tensor: return it alone (for a transformers model, "
+                "call it without labels= and compute the loss from the logits in the task)")
+        self.form = (type(out), tensors[0][0])
+        return tensors[0][1]
+
+    def as_model_output(self, value: Any) -> Any:
+        """``value`` (the last stage's tensor) in the mapping type the model returned, if any."""
+        if self.form is None or not isinstance(value, torch.Tensor):
+            return value
+        cls, key = self.form
+        return cls(**{key: value})
 
 
 def stage_tree(model: nn.Module, chain: Chain, lo: int, hi: int) -> StageModule:

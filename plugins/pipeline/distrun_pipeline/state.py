@@ -41,9 +41,13 @@ def is_placeholder(t: Any) -> bool:
     return isinstance(t, DTensor) and t.device_mesh.get_coordinate() is None
 
 
-def place_holders(model: nn.Module, absent: dict[str, DeviceMesh]) -> None:
+def place_holders(model: nn.Module, absent: dict[str, DeviceMesh],
+                  tied: dict[int, DeviceMesh] | None = None) -> None:
     """Replace the parameters and persistent buffers of the modules named in ``absent`` by
-    placeholders on the given meshes (their memory is freed)."""
+    placeholders on the given meshes (their memory is freed). A parameter tied across stages
+    (``tied``: its id -> the mesh of every rank holding it) stays whole where a module this
+    rank runs uses it, and is a placeholder on that mesh elsewhere."""
+    tied = tied or {}
     kept = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)
             if not any(n.startswith(a + ".") for a in absent)}
     done: dict[int, nn.Parameter] = {}
@@ -53,12 +57,15 @@ def place_holders(model: nn.Module, absent: dict[str, DeviceMesh]) -> None:
                 if p is None:
                     continue
                 if id(p) in kept:
+                    if id(p) in tied:
+                        continue  # this rank holds it: a module it runs uses it too
                     raise UsageError(
                         f"pipeline: {mod_name}.{key} is the same parameter as {kept[id(p)]} "
                         "(tied weights) but they fall in different stages; untie them, or "
                         "declare pipeline_split_points that keep both in one stage")
                 if id(p) not in done:
-                    done[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype, mesh, p.device),
+                    on = tied.get(id(p), mesh)
+                    done[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype, on, p.device),
                                                requires_grad=p.requires_grad)
                 mod._parameters[key] = done[id(p)]
             for key, b in list(mod._buffers.items()):
@@ -72,20 +79,26 @@ def _mark_owned(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
-def shared_state_dict(model: nn.Module, mesh: DeviceMesh) -> None:
-    """``model.state_dict()`` gives this rank's plain tensors as replicated over ``mesh``."""
+def shared_state_dict(model: nn.Module, mesh: DeviceMesh,
+                      tied: dict[str, DeviceMesh] | None = None) -> None:
+    """``model.state_dict()`` gives this rank's plain tensors as replicated over ``mesh``, a
+    weight tied across stages (``tied``: by name) over the mesh of every rank holding it."""
+    tied = tied or {}
 
     def post(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
         for key, value in state.items():
-            state[key] = _mark_owned(value, mesh)
+            state[key] = _mark_owned(value, tied.get(key, mesh))
 
     model.register_state_dict_post_hook(post)
 
 
-def shared_optimizer_state(optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> None:
+def shared_optimizer_state(optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
+                           tied: dict[int, DeviceMesh] | None = None) -> None:
     """``optimizer.state_dict()``: owned state marked as above, and entries for the other
     stages' parameters (placeholders shaped like this rank's own state), so the state of every
     parameter is described once, whichever rank writes the description."""
+
+    tied = tied or {}
 
     def post(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -100,7 +113,8 @@ def shared_optimizer_state(optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -
                 continue
             if template is None:
                 template = (params[i], entry)
-            sd["state"][i] = {k: _mark_owned(v, mesh) for k, v in entry.items()}
+            on = tied.get(id(p), mesh)
+            sd["state"][i] = {k: _mark_owned(v, on) for k, v in entry.items()}
         if template is not None:
             own, entry = template
             for i, p in enumerate(params):

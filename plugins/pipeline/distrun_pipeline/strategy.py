@@ -11,7 +11,7 @@ module tree in which the modules of other ranks' stages hold placeholders (see
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -121,13 +121,48 @@ class PipelineStrategy(BaseStrategy):
         owned = {n for s in mine for n in chain.order[slice(*ranges[s])]}
         meshes = {r: self._stage_mesh(r) for r in range(self.pp_size)}
         owner = {n: where[s] for s, (lo, hi) in enumerate(ranges) for n in chain.order[lo:hi]}
-        state.place_holders(model, {n: meshes[owner[n]] for n in chain.order if n not in owned})
-        for name in owned:  # only what this rank runs goes to its device
+        tied = self._tie(model, chain, owner)
+        state.place_holders(model, {n: meshes[owner[n]] for n in chain.order if n not in owned},
+                            {pid: mesh for pid, (mesh, _, _) in tied.items()})
+        for name in [*owned, *chain.shared]:  # only what this rank runs goes to its device
             model.get_submodule(name).to(self.device)
         modules = [self._wrap_stage(m, chain) for m in trees]
-        state.shared_state_dict(model, self.dp_mesh)
-        self.pipeline = Pipeline(self, modules, mine)
+        names: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        state.shared_state_dict(model, self.dp_mesh, {
+            n: mesh for pid, (mesh, _, _) in tied.items() for n in names.get(pid, [])})
+        self.pipeline = Pipeline(self, modules, mine, trees)
+        held = {id(p): p for p in model.parameters() if not state.is_placeholder(p)}
+        self.pipeline.tied = [(held[pid], group, first)
+                              for pid, (_, group, first) in tied.items() if pid in held]
+        self.tied_meshes = {pid: mesh for pid, (mesh, _, _) in tied.items()}
         return model
+
+    def _tie(self, model: nn.Module, chain: split.Chain,
+             owner: dict[str, int]) -> dict[int, tuple[DeviceMesh, Any, bool]]:
+        """Parameters used by the modules of stages on several pp ranks (a head tied to the
+        token embedding, as GPT-2's): each holding rank keeps it whole, and their gradients
+        are summed before the optimizer step (Megatron's way). id -> (the mesh of the ranks
+        holding it, their process group, whether this rank counts it in the gradient norm)."""
+        users: dict[int, set[int]] = {}
+        for name in chain.order:
+            for p in model.get_submodule(name).parameters():
+                users.setdefault(id(p), set()).add(owner[name])
+        out: dict[int, tuple[DeviceMesh, Any, bool]] = {}
+        for pid, pp_ranks in users.items():
+            if len(pp_ranks) < 2:
+                continue
+            if self.dp_mode == "fsdp":
+                raise UsageError("pipeline: a weight tied across stages (a head tied to the token "
+                                 "embedding) does not compose with pp+fsdp; use pp or pp+ddp, or "
+                                 "untie it")
+            ranks = self.mesh.mesh[sorted(pp_ranks)].flatten()
+            group = dist.new_group([int(r) for r in ranks.tolist()])  # every rank calls it
+            mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=("tied",),
+                              _init_backend=False)
+            out[pid] = (mesh, group, self.pp_rank == min(pp_ranks))
+        return out
 
     def _wrap_stage(self, module: split.StageModule, chain: split.Chain) -> nn.Module:
         if self.dp_mode == "fsdp":
@@ -146,7 +181,7 @@ class PipelineStrategy(BaseStrategy):
         return module
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        state.shared_optimizer_state(optimizer, self.dp_mesh)
+        state.shared_optimizer_state(optimizer, self.dp_mesh, getattr(self, "tied_meshes", {}))
         return optimizer
 
     # -- per step ------------------------------------------------------------------------
@@ -156,9 +191,12 @@ class PipelineStrategy(BaseStrategy):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over every stage (and FSDP shard)."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # a weight tied across stages: its (summed) gradient counted once, by its first holder
+        twice = {id(p.grad) for p, _, first in self.pipeline.tied if not first} \
+            if self.pipeline is not None else set()
         plain = torch.zeros((), device=self.device, dtype=torch.float32)
         sharded = torch.zeros((), device=self.device, dtype=torch.float32)
-        for g in grads:
+        for g in [g for g in grads if id(g) not in twice]:
             if isinstance(g, DTensor):
                 sharded += g.to_local().detach().float().pow(2).sum()
             else:

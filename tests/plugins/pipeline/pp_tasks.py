@@ -98,8 +98,94 @@ class UnevenTask(SeqTask):
         return None
 
 
+class _Rotary(nn.Module):
+    """No state but a non-persistent buffer, as a transformers rotary embedding."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, dim, 2) / dim),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions[:, None].to(x.dtype) * self.inv_freq[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h + pos))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_Layer(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.rotary_emb = _Rotary(dim)  # registered after the layers, called before them
+
+
+class DecoderLM(nn.Module):
+    """Shaped like a transformers causal LM: ``model.{embed_tokens, layers, norm, rotary_emb}``
+    and ``lm_head``; positions come from the embedding's shape, the rotary embedding is called
+    before the layers, and the output is a mapping with the logits and a non-tensor (a cache).
+    ``tied``: the head is the token embedding and the logits are shaped by the input's shape,
+    as GPT-2's."""
+
+    def __init__(self, vocab: int = 16, dim: int = 16, layers: int = 4,
+                 tied: bool = False) -> None:
+        super().__init__()
+        self.model = _Decoder(vocab, dim, layers)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        batch, length = input_ids.shape  # the batch's own input, on every stage
+        h = self.model.embed_tokens(input_ids)
+        pos = self.model.rotary_emb(h, torch.arange(h.shape[1], device=h.device))
+        for layer in self.model.layers:
+            h = layer(h, pos)
+        logits = self.lm_head(self.model.norm(h))
+        return {"logits": logits.view(batch, length, -1), "cache": object()}
+
+
+class DecoderTask(SeqTask):
+    """Next-token prediction with transformers-style batches ``{"input_ids", "labels"}``."""
+
+    tied = False
+
+    def __init__(self) -> None:
+        starts = torch.randint(16, (256,), generator=torch.Generator().manual_seed(0))
+        rows = [starts]
+        for _ in range(11):
+            rows.append((5 * rows[-1] + 3) % 16)
+        self.ids = torch.stack(rows, dim=1)
+
+    def configure_model(self) -> nn.Module:
+        return DecoderLM(tied=self.tied)
+
+    def train_data(self) -> Any:
+        return [{"input_ids": row[:-1], "labels": row[1:]} for row in self.ids]
+
+    def val_data(self) -> Any:
+        return self.train_data()[:32]
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        logits = model(batch["input_ids"])["logits"]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def validation_step(self, model: nn.Module, batch: Any) -> Any:
+        return {"loss": self.training_step(model, batch)}
+
+
 def make_task(name: str) -> Any:
-    """``seq``, ``nosplit`` or ``gpt``: the example's tiny GPT (4 blocks, small, SGD).
+    """``seq``, ``nosplit``, ``uneven``, ``decoder`` (shaped like a transformers causal LM) or
+    ``gpt``: the example's tiny GPT (4 blocks, small, SGD).
 
     SGD for weight parity: Adam divides by the gradient's magnitude, so a gradient that is zero
     up to rounding (an unused embedding row) turns a 1e-9 difference into a full step.
@@ -110,6 +196,12 @@ def make_task(name: str) -> Any:
         return NoSplitTask()
     if name == "uneven":
         return UnevenTask()
+    if name == "decoder":
+        return DecoderTask()
+    if name == "decoder-tied":
+        task = DecoderTask()
+        task.tied = True
+        return task
     os.environ.setdefault("TINY_GPT_CHARS", "6000")
     os.environ.setdefault("TINY_GPT_DIM", "32")
     os.environ.setdefault("TINY_GPT_LAYERS", "4")

@@ -50,6 +50,31 @@ def test_pp_sequential_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_decoder_shaped_like_transformers_matches_one_process(tmp_path: Path) -> None:
+    """What a transformers causal LM does under pp: dict batches (input_ids, labels), positions
+    from the embedding's shape on every stage, a stateless rotary embedding registered after
+    the layers but called before them (kept by every stage, not cut), and a mapping output
+    whose non-tensor (a cache) is dropped while the task's steps still index `["logits"]`.
+    Then with the head tied to the token embedding (GPT-2's way) and the output shaped by the
+    input's shape: both end stages hold the weight, their gradients summed (and counted once
+    when clipping), the weights stay equal to one process's (and to each other)."""
+    runs = {"decoder": dict(max_steps=8, val_every_n_steps=8),
+            # clipping: the tied weight's gradient counts once in the global norm
+            "decoder-tied": dict(max_steps=8, val_every_n_steps=8, grad_clip=0.5)}
+    refs = [reference(name, dict(opts, run_dir=str(tmp_path / f"single-{name}")))
+            for name, opts in runs.items()]
+    out = run_on_ranks(train_many, 2, [(name, dict(opts, strategy="pp", run_dir=str(
+        tmp_path / f"pp-{name}"), port=free_port())) for name, opts in runs.items()],
+        timeout=240)
+    for i, ref in enumerate(refs):
+        _check_parity(ref, [o[i] for o in out], 8)
+    assert "model.embed_tokens.weight" in out[0][0]["state"]
+    assert "model.embed_tokens.weight" not in out[1][0]["state"]
+    tied = [o[1]["state"] for o in out]  # both ranks hold the tied weight, equal
+    assert tied[0]["lm_head.weight"] == tied[1]["model.embed_tokens.weight"]
+
+
+@pytest.mark.slow
 def test_every_schedule_matches_one_process(tmp_path: Path, cpu_backend: str) -> None:
     """The tiny GPT over 20 steps under each schedule; gradient accumulation and clipping."""
     base = dict(max_steps=20, val_every_n_steps=10)
@@ -69,16 +94,22 @@ def test_every_schedule_matches_one_process(tmp_path: Path, cpu_backend: str) ->
 
 @pytest.mark.slow
 def test_pp_ddp_and_pp_fsdp_on_four_ranks(tmp_path: Path, cpu_backend: str) -> None:
-    """2 stages x 2 data-parallel replicas (DDP), and x 2 shards (FSDP2), match one process."""
+    """2 stages x 2 data-parallel replicas (DDP), and x 2 shards (FSDP2), match one process;
+    and under pp+ddp a head tied to the token embedding (summed over the stages after DDP's
+    average over the replicas)."""
     opts = dict(max_steps=20, val_every_n_steps=10, grad_clip=0.5)
     ref = reference("gpt", dict(opts, run_dir=str(tmp_path / "single")))
+    tied = dict(max_steps=8, val_every_n_steps=8, grad_clip=0.5)
+    ref_tied = reference("decoder-tied", dict(tied, run_dir=str(tmp_path / "single-tied")))
     runs = [("gpt", dict(opts, strategy=name, pp=2, port=free_port(),
                          run_dir=str(tmp_path / name.replace("+", "-"))))
             for name in ("pp+ddp", "pp+fsdp")]
+    runs.append(("decoder-tied", dict(tied, strategy="pp+ddp", pp=2, port=free_port(),
+                                      run_dir=str(tmp_path / "tied"))))
     per_rank = run_on_ranks(train_many, 4, runs, timeout=600, backend=cpu_backend)
-    for i in range(2):
+    for i, (reference_run, steps) in enumerate([(ref, 20), (ref, 20), (ref_tied, 8)]):
         out = [r[i] for r in per_rank]
-        _check_parity(ref, out, 20)
+        _check_parity(reference_run, out, steps)
         # mesh pp x dp: ranks 0,1 are stage 0 (data ranks 0,1), ranks 2,3 stage 1
         assert [o["dp"] for o in out] == [(0, 2), (1, 2), (0, 2), (1, 2)]
 
