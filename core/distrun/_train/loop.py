@@ -84,7 +84,7 @@ def wrap_model(run: Run) -> None:
         # In place (nn.Module.compile): the module and its state_dict keys stay as they were
         # (no `_orig_mod.`), and it compiles what the strategy made: DDP's module with its
         # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives.
-        models.compile_model(run.model)
+        models.compile_model(run.strategy, run.model)
 
 
 def build_optimizer(run: Run) -> None:
