@@ -8,8 +8,9 @@ for a backward compiled lazily and for each recompilation), and:
 
 - rank 0 says when the first compilation starts, and after the first training step how long
   compiling took and whether inductor's cache was warm (graphs loaded) or cold (built);
-- a log window's ``samples_per_sec`` leaves compile time out, and the row carries the seconds
-  compiled since the previous row as ``compile_s`` (a ``metrics.csv`` column);
+- a log window's ``samples_per_sec`` leaves out the steps that compiled (whole: also their
+  wait for another rank's compile), and the row carries those seconds since the previous row
+  as ``compile_s`` (a ``metrics.csv`` column);
 - the progress bar reads the clock (:data:`~distrun._spec.keys.COMPILE_TIME`) to leave it
   out of its rate and ETA.
 
@@ -50,6 +51,10 @@ def _cache_counts() -> tuple[int, int]:
         return 0, 0
     return (int(counters["inductor"]["fxgraph_cache_hit"]),
             int(counters["inductor"]["fxgraph_cache_miss"]))
+
+
+def _graphs(n: int) -> str:
+    return f"{n} graph{'s' * (n != 1)}"
 
 
 def cache_dir() -> str:
@@ -142,11 +147,11 @@ class CompileClock:
         hits -= self._cache_base[0]
         misses -= self._cache_base[1]
         if hits and not misses:
-            return f"inductor cache warm ({hits} graph{'s' * (hits != 1)} loaded)"
+            return f"inductor cache warm ({_graphs(hits)} loaded)"
         if misses and not hits:
-            return f"inductor cache cold ({misses} graph{'s' * (misses != 1)} built)"
+            return f"inductor cache cold ({_graphs(misses)} built)"
         if hits or misses:
-            return f"inductor cache partly warm ({hits} graphs loaded, {misses} built)"
+            return f"inductor cache partly warm ({_graphs(hits)} loaded, {misses} built)"
         return "no inductor graph"
 
     def close(self) -> None:
