@@ -156,3 +156,26 @@ def no_shared_memory_left() -> Iterator[None]:
     left = leftover_segments()
     assert not left, f"segments of ended processes left in /dev/shm: {left}"
 
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One torch.compile cache for the session's --compile tests (inductor's FX graph and AOT
+    autograd caches, triton's): what one test compiled, the next loads. The environment to
+    hand their processes (``run_cli(..., env=compile_cache)``; ``compile_env`` sets it)."""
+    root = tmp_path_factory.mktemp("compile-cache")
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "TRITON_CACHE_DIR": str(root / "triton")}
+
+
+@pytest.fixture
+def compile_env(compile_cache: dict[str, str],
+                monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The session's compile cache set in this test's environment (the processes
+    ``run_on_ranks`` spawns inherit it), and inductor compiling in the process itself: a pool
+    of compile workers (each importing torch) costs more than the few kernels of a test
+    model on a busy machine."""
+    for name, value in compile_cache.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return compile_cache

@@ -52,7 +52,14 @@ from distrun._registry.collect import requested_degrees, resolve_run_config
 from distrun._spec.backends import BackendInfo
 from distrun._spec.cluster import ClusterEnv
 from distrun._spec.errors import EXIT_REQUEUE, DistrunError, UsageError, first_line
-from distrun._spec.keys import CONSOLE_OWNER, DEVICE_MESH, JOINABLES, PARALLEL_DIMS, UNEVEN_EPOCH
+from distrun._spec.keys import (
+    COMPILE_TIME,
+    CONSOLE_OWNER,
+    DEVICE_MESH,
+    JOINABLES,
+    PARALLEL_DIMS,
+    UNEVEN_EPOCH,
+)
 from distrun._spec.markers import API_VERSION, hookimpl, hookspec
 from distrun._spec.options import Option, PluginOptions, option, plugin_options
 from distrun._spec.stash import Stash, StashKey
@@ -81,8 +88,8 @@ __all__ = [
     "requested_degrees",
     "build_mesh", "init_single_process_group", "prepare_backend",
     # the run and its stash
-    "Run", "Stash", "StashKey", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS",
-    "STEP_SYNC", "UNEVEN_EPOCH",
+    "Run", "Stash", "StashKey", "COMPILE_TIME", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES",
+    "PARALLEL_DIMS", "STEP_SYNC", "UNEVEN_EPOCH",
     # errors and exit codes
     "DistrunError", "UsageError", "first_line", "EXIT_REQUEUE", "ExitWatch", "exit_code",
     # launching workers

@@ -9,7 +9,7 @@ from distrun._spec.stash import StashKey
 if TYPE_CHECKING:
     from distrun._config.parallel_dims import ParallelDims
 
-__all__ = ["CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "UNEVEN_EPOCH"]
+__all__ = ["COMPILE_TIME", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "UNEVEN_EPOCH"]
 
 #: the run's ``torch.distributed.device_mesh.DeviceMesh``, set by mesh-building strategies
 DEVICE_MESH: StashKey[Any] = StashKey("device_mesh")
@@ -22,3 +22,7 @@ JOINABLES: StashKey[list[Any]] = StashKey("joinables")
 UNEVEN_EPOCH: StashKey[bool] = StashKey("uneven_epoch")
 #: the name of the plugin that shows metrics its own way; the console line stays quiet then
 CONSOLE_OWNER: StashKey[str] = StashKey("console_owner")
+#: under ``--compile``, the core's clock of torch.compile time on this rank: its ``excluded``
+#: seconds (a float: compiling, and steps' waits for other ranks' compiles) grow while
+#: dynamo compiles, so a display can leave them out of its rate
+COMPILE_TIME: StashKey[Any] = StashKey("compile_time")

@@ -93,6 +93,9 @@ class Strategy(Protocol):
 
     Lifecycle, on every rank: ``setup(run)`` (process group, device, mesh) -> ``wrap_model`` ->
     ``wrap_optimizer`` -> per step ``no_sync``/``backward``/``optimizer_step`` -> ``teardown``.
+    Optional: ``compile_model(model)`` under ``--compile`` (``BaseStrategy``'s compiles the
+    wrapped model in place; a strategy whose wrapped model is not what runs the steps, as a
+    pipeline's, compiles what does).
     """
 
     name: str

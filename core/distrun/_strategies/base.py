@@ -56,6 +56,12 @@ class BaseStrategy:
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def compile_model(self, model: torch.nn.Module) -> None:
+        """``--compile``: torch.compile what runs the steps, in place (``nn.Module.compile``:
+        the module and its ``state_dict`` keys stay as they were). A strategy whose wrapped
+        model is not what runs (a pipeline's stages) compiles those instead."""
+        model.compile()
+
     # -- per step ------------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()

@@ -36,6 +36,13 @@ def distrun_setup_data(run):
 
 @hookimpl
 def distrun_on_fit_start(run):
+    from distrun._spec.keys import COMPILE_TIME
+
+    clock = run.stash.get(COMPILE_TIME)
+    if clock is not None and not clock.reported:  # --compile: its line after the first step
+        from distrun._train.compiling import FirstStep
+
+        run.add_hooks(FirstStep())
     hparams = getattr(run.task, "hparams", None)
     if run.is_global_zero and isinstance(hparams, dict) and hparams and run.run_dir:
         from distrun._train.hparams import write_hparams

@@ -16,7 +16,7 @@ import torch
 
 from distrun._registry.collect import choose_strategy, collect_strategies
 from distrun._spec.errors import DistrunError, UsageError
-from distrun._spec.keys import UNEVEN_EPOCH
+from distrun._spec.keys import COMPILE_TIME, UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
 from distrun._train import models
 from distrun._train.datamodule import data_of, prepare
@@ -85,8 +85,12 @@ def wrap_model(run: Run) -> None:
     if run.config.compile:
         # In place (nn.Module.compile): the module and its state_dict keys stay as they were
         # (no `_orig_mod.`), and it compiles what the strategy made: DDP's module with its
-        # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives.
-        models.compile_model(run.model)
+        # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives, a
+        # pipeline's stage modules. The clock times it (said once, left out of samples/s).
+        from distrun._train.compiling import start_clock
+
+        start_clock(run)
+        models.compile_model(run.strategy, run.model)
 
 
 def build_optimizer(run: Run) -> None:
@@ -171,12 +175,16 @@ class _Window:
     #: losses kept before they are summed into one tensor (bounds the memory of long windows)
     FOLD = 64
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = None) -> None:
         #: what the steps log per log row (names persist across rows: see metrics.py)
         self.logged = Accumulator()
+        #: the torch.compile clock (--compile), whose time samples/s leaves out
+        self.clock = clock
         #: the epoch the steps in the window trained in (set as each epoch starts)
         self.epoch = 0
         self.reset()
+        if clock is not None:
+            clock.mark_step()  # the fit's first step starts
 
     def reset(self) -> None:
         self.losses: list[torch.Tensor] = []
@@ -184,6 +192,10 @@ class _Window:
         self.micro = 0
         self.samples = 0
         self.started = time.perf_counter()
+        #: under --compile: the clock's seconds at the reset, and those compiled during
+        #: validation since (validation's whole time is left out already)
+        self.compiled_at_reset = self.clock.excluded if self.clock is not None else 0.0
+        self.compiled_in_validation = 0.0
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Keep the step's loss (a list append: the sum is taken at the log step)."""
@@ -222,7 +234,7 @@ _RENDEZVOUS_STORE: StashKey[Any] = StashKey("loop.rendezvous_store")
 def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
     cfg = run.config
-    run.stash[_WINDOW] = _Window()
+    run.stash[_WINDOW] = _Window(run.stash.get(COMPILE_TIME))
     run.stash[_EPOCH_LOGGED] = Accumulator()
     sync = run.stash[STEP_SYNC] = StepSync(run, functools.partial(_pack_window, run))
     run.progress.step_started = time.monotonic()
@@ -507,7 +519,13 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
     logged = window.logged
     if logged:
         packed = torch.cat([packed, logged.pack(loss.device)])
-    elapsed = max(time.perf_counter() - window.started, 1e-9)
+    elapsed = time.perf_counter() - window.started
+    compile_s = None
+    clock = window.clock
+    if clock is not None:  # compiling is no ordinary step: out of samples/s, in compile_s
+        elapsed -= clock.excluded - window.compiled_at_reset - window.compiled_in_validation
+        compile_s = clock.take_unlogged() or None
+    elapsed = max(elapsed, 1e-9)
     window.reset()
     epoch = float(window.epoch)
     lr = None
@@ -528,6 +546,8 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
             metrics = {"loss": loss_sum / micro, **metrics}
         if lr is not None:
             metrics["lr"] = lr
+        if compile_s is not None:
+            metrics["compile_s"] = compile_s
         if summed.numel() > 3:
             metrics.update(logged.unpack(summed[3:]))
         run.metrics.update(metrics)
@@ -541,10 +561,14 @@ def validate(run: Run) -> Mapping[str, float]:
     if sync is not None:
         sync.flush()  # the training row of this step is logged before the validation row
     started = time.perf_counter()
-    metrics = run.hook.distrun_run_validation(run=run) or {}
     window = run.stash.get(_WINDOW)
+    compiled = window.clock.seconds if window is not None and window.clock is not None else 0.0
+    metrics = run.hook.distrun_run_validation(run=run) or {}
     if window is not None:  # samples/s counts training time only
         window.started += time.perf_counter() - started
+        if window.clock is not None:
+            window.compiled_in_validation += window.clock.seconds - compiled
+            window.clock.mark_step()  # the next step starts after the validation
     run.stash[_VALIDATED_AT] = run.progress.step
     if metrics:
         run.metrics.update(metrics)

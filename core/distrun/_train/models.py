@@ -62,12 +62,18 @@ def no_sync(strategy: Any, model: nn.Module) -> AbstractContextManager[Any]:
     return stack
 
 
-def compile_model(model: nn.Module) -> None:
-    """``nn.Module.compile`` in place: of the model, or of each of a :class:`Models`' (the
-    container has no forward of its own)."""
+def compile_model(strategy: Any, model: nn.Module) -> None:
+    """torch.compile in place, through the strategy's ``compile_model`` (what runs the steps:
+    the model itself, or a pipeline's stage modules): of the model, or of each of a
+    :class:`Models`' (the container has no forward of its own)."""
+    compile_one = getattr(strategy, "compile_model", None) or _compile_in_place
     targets = list(model.values()) if isinstance(model, Models) else [model]
     for target in targets:
-        target.compile()
+        compile_one(target)
+
+
+def _compile_in_place(model: nn.Module) -> None:
+    model.compile()
 
 
 def params_of(optimizer: Any) -> nn.Module:

@@ -18,6 +18,7 @@ from distrun._launch.folder_lock import lock_run_folders, release_all, run_key
 from distrun._registry.collect import check_consumed, collect_options
 from distrun._registry.manager import make_plugin_manager
 from distrun._spec.errors import DistrunError, UsageError, first_line
+from distrun._spec.keys import COMPILE_TIME
 from distrun._spec.stash import StashKey
 from distrun._train.run import EXIT_REQUEUE, Run
 from distrun._train.unread_args import warn_unread_argv
@@ -147,6 +148,10 @@ class Trainer:
             if self._pm is not None and self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
         try:
+            if run is not None:
+                clock = run.stash.get(COMPILE_TIME)
+                if clock is not None:
+                    clock.close()  # dynamo's callbacks stop calling this run's clock
             if run is not None and run.strategy is not None:
                 run.strategy.teardown()
         finally:
@@ -226,6 +231,9 @@ class Trainer:
                     self._fit(run)
                 else:
                     run.results[stage] = self._evaluate(run, stage, ckpt_path)
+                    from distrun._train.compiling import say_compiled
+
+                    say_compiled(run, stage)  # --compile: its line, unless a fit said it
             failed = False
         except DistrunError as exc:
             pm.hook.distrun_on_exception(run=run, exc=exc)

@@ -64,10 +64,6 @@ class PipelineStrategy(BaseStrategy):
                              "--nproc-per-node 2 or more)")
         # What other plugins add (mixed precision, ZeRO, a tp degree) they check themselves
         # against the layout this strategy publishes (PARALLEL_DIMS, pp > 1).
-        if cfg.compile:
-            raise UsageError(f"--compile does not compose with --strategy {self.name} (see the "
-                             "composition table in docs/strategies.md); drop it, or use "
-                             "pp+fsdp to shard each stage")
         self.dims = ParallelDims.from_world(self.world_size, pp=pp)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, cfg.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or (),
@@ -183,6 +179,15 @@ class PipelineStrategy(BaseStrategy):
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         state.shared_optimizer_state(optimizer, self.dp_mesh, getattr(self, "tied_meshes", {}))
         return optimizer
+
+    def compile_model(self, model: nn.Module) -> None:
+        """``--compile``: the schedule runs this rank's stage modules, never the rank view's
+        forward, so each stage module is compiled in place (as wrapped for ``pp+ddp`` /
+        ``pp+fsdp``); the rank view and its ``state_dict`` names stay as they were."""
+        if self.pipeline is None:  # pragma: no cover (the core wraps the model first)
+            raise RuntimeError("the pipeline is built when the strategy wraps the model")
+        for module in self.pipeline.modules:
+            module.compile()
 
     # -- per step ------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from distrun.plugin import COMPILE_TIME
 from distrun_progress.options import ProgressOptions
 
 #: the launcher passes its terminal to rank 0 in this variable (workers' stdout is a pipe)
@@ -61,6 +62,10 @@ class Tracker:
         self.epoch = run.progress.epoch
         self.started = time.monotonic()
         self.metrics: dict[str, float] = {}
+        #: under --compile, the core's clock of compile time: compiling is left out of the
+        #: rate (and so of the ETA), not of the elapsed time shown
+        self.compile_clock = run.stash.get(COMPILE_TIME)
+        self.compiled_before = self.compile_clock.excluded if self.compile_clock else 0.0
 
     def update(self, step: int, epoch: int) -> None:
         self.step, self.epoch = step, epoch
@@ -70,9 +75,16 @@ class Tracker:
         return time.monotonic() - self.started
 
     @property
+    def training_time(self) -> float:
+        """Elapsed seconds less those spent compiling (torch.compile) since the fit started."""
+        if self.compile_clock is None:
+            return self.elapsed
+        return self.elapsed - (self.compile_clock.excluded - self.compiled_before)
+
+    @property
     def steps_per_sec(self) -> float | None:
-        done = self.step - self.first_step
-        return done / self.elapsed if done > 0 and self.elapsed > 0 else None
+        done, seconds = self.step - self.first_step, self.training_time
+        return done / seconds if done > 0 and seconds > 0 else None
 
     @property
     def samples_per_sec(self) -> float | None:

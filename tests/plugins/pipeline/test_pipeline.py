@@ -281,7 +281,6 @@ def test_world_size_not_divisible_by_pp(tmp_path: Path) -> None:
      "--microbatches 3 does not divide the per-rank batch 16"),
     ("nosplit", (), "pipeline cannot split Flat"),
     ("seq", ("--precision", "16-mixed"), "use --precision bf16-mixed"),
-    ("seq", ("--compile",), "--compile does not compose with --strategy pp"),
     # checked by the plugins that own these options, against the pipeline's PARALLEL_DIMS
     ("seq", ("--zero",), "--zero does not compose with pipeline parallel"),
     ("seq", ("--tp-size", "2"), "'pp' does not"),
