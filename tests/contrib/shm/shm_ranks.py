@@ -388,6 +388,11 @@ def failing_rank(rank: int, world: int, how: str, queue: Any) -> None:
         dist.all_reduce(t)
     if rank == 1:
         if how == "kill":
+            # The queue's messages go out on a feeder thread that holds the queue's shared
+            # write lock while it writes: killed in that moment, this rank would leave the lock
+            # taken and rank 0's result could never be sent (seen under load). Flush first.
+            queue.close()
+            queue.join_thread()
             os.kill(os.getpid(), 9)
         if how == "exception":
             raise SystemExit(3)  # leaves without destroy_process_group, as a crash would
