@@ -68,3 +68,33 @@ def test_eval_sampler_covers_everything_with_equal_batch_counts():
     assert len({len(s) for s in shards}) == 1
     seen = {i for s in shards for b in s for i in b}
     assert seen == set(range(10))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_tensor_dataset_is_read_a_batch_at_a_time_with_the_same_batches(workers):
+    from distrun._train.loaders import map_loader
+
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 3, 2, generator=gen),
+                                          torch.randint(0, 9, (40,), generator=gen),
+                                          torch.rand(40, generator=gen) > 0.5)
+    batches = [epoch_permutation(0, 0, 40)[i:i + 8].tolist() for i in range(0, 40, 8)]
+    plain = list(torch.utils.data.DataLoader(data, batch_sampler=batches))
+    loader = map_loader(data, batches, num_workers=workers)
+    assert not isinstance(loader.dataset, torch.utils.data.TensorDataset)  # the batched read
+    read = list(loader)
+    assert len(read) == len(plain) == 5
+    for ours, theirs in zip(read, plain, strict=True):
+        assert type(ours) is type(theirs) is list  # default_collate's form for a tuple sample
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_dataset_with_its_own_collate_or_type_is_read_as_the_dataloader_does():
+    from distrun._train.loaders import map_loader
+
+    data = torch.utils.data.TensorDataset(torch.arange(6.0))
+    assert map_loader(data, [[0, 1]], collate_fn=len).dataset is data
+    sub = torch.utils.data.Subset(data, [5, 4, 3])
+    assert map_loader(sub, [[0, 1]]).dataset is sub
+    assert [b[0].tolist() for b in map_loader(sub, [[0, 1], [2]])] == [[5.0, 4.0], [3.0]]

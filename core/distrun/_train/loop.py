@@ -22,6 +22,7 @@ from distrun._train import models
 from distrun._train.datamodule import data_of, prepare
 from distrun._train.iterable import StreamCursor, stream_loader
 from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
+from distrun._train.loaders import map_loader
 from distrun._train.metric_objects import place_metrics
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.optimizers import (
@@ -143,7 +144,7 @@ def build_loaders(run: Run) -> None:
         run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
                                        seed=cfg.seed, shuffle=not cfg.overfit_batches,
                                        limit=train_limit(cfg), drop_last=cfg.drop_last)
-        run.train_loader = torch.utils.data.DataLoader(data, batch_sampler=run.sampler, **common)
+        run.train_loader = map_loader(data, run.sampler, **common)
     else:
         run.train_loader = data
     if hasattr(run.train_loader, "state_dict") and hasattr(run.train_loader, "load_state_dict"):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from distrun._spec.errors import UsageError
+from distrun._train.loaders import map_loader
 from distrun._train.metric_objects import metrics_untouched
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
 from distrun._train.run import Run
@@ -48,9 +49,8 @@ def eval_loader(run: Run, data: Any) -> Any:
     sampler = ShardedEvalSampler(len(data), local, st.dp_rank, st.dp_world_size)
     from distrun._train.datamodule import data_of
 
-    return torch.utils.data.DataLoader(
-        data, batch_sampler=sampler, num_workers=cfg.num_workers,
-        collate_fn=data_of(run, "collate_fn"), pin_memory=st.device.type == "cuda")
+    return map_loader(data, sampler, collate_fn=data_of(run, "collate_fn"),
+                      num_workers=cfg.num_workers, pin_memory=st.device.type == "cuda")
 
 
 def _real_sizes(loader: Any) -> list[int] | None:

@@ -20,8 +20,9 @@ class DdpOptions(PluginOptions, plugin="ddp"):
     ddp_static_graph: bool = option(
         False, "promise DDP the set of used parameters never changes (enables optimizations)")
     ddp_gradient_as_bucket_view: bool = option(
-        False, "gradients are views into the all-reduce buckets (saves one gradient copy of "
-               "memory)")
+        True, "gradients are views into the all-reduce buckets: no copy of them back after "
+              "each all-reduce, and one gradient's memory less (--no-ddp-gradient-as-bucket-"
+              "view: separate gradient tensors, torch's default)")
     ddp_broadcast_buffers: bool = option(
         True, "broadcast module buffers (e.g. BatchNorm stats) from rank 0 at each forward")
     ddp_comm_hook: str = option("none", "gradient communication hook", choices=COMM_HOOKS)

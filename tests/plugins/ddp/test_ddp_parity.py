@@ -26,7 +26,7 @@ DDP_RUNS = {
     "accum1": dict(COMMON, strategy="ddp", count_allreduce=True),
     "accum3": dict(COMMON, strategy="ddp", grad_accum=3, count_allreduce=True),
     "options": dict(COMMON, strategy="ddp", unused=True, ddp_find_unused_parameters=True,
-                    ddp_bucket_mb=0.5, ddp_gradient_as_bucket_view=True,
+                    ddp_bucket_mb=0.5, ddp_gradient_as_bucket_view=False,
                     ddp_broadcast_buffers=False),
     "static": dict(COMMON, strategy="ddp", ddp_static_graph=True),
     "fp16": dict(COMMON, strategy="ddp", ddp_comm_hook="fp16"),
@@ -87,7 +87,8 @@ def test_no_sync_skips_allreduce_on_accumulation_steps(ddp_runs, name):
 def test_options_reach_ddp(ddp_runs):
     first, second = ddp_runs[0]["options"], ddp_runs[0]["static"]
     assert first["find_unused_parameters"] is True
-    assert first["gradient_as_bucket_view"] is True
+    assert first["gradient_as_bucket_view"] is False  # asked off
+    assert ddp_runs[0]["accum1"]["gradient_as_bucket_view"] is True  # the default
     assert first.get("forward_sync_buffers", first.get("broadcast_buffers")) is False
     assert first["bucket_bytes_cap"] == int(0.5 * 2**20)
     assert second["static_graph"] is True
