@@ -61,7 +61,8 @@ def _train(tmp_path: Path, backend: str, case: str) -> tuple[dict, list[float]]:
 @pytest.mark.skipif(not OTHERS, reason="no CPU backend other than gloo can run here "
                                        "(pip install distrun-shm)")
 @pytest.mark.parametrize("backend", OTHERS or ["none"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [  # ddp by default, the other strategies in `extended`
+    pytest.param(c, marks=() if c == "ddp" else pytest.mark.extended) for c in CASES])
 def test_same_weights_as_gloo(tmp_path, backend, case):
     ref, ref_losses = _train(tmp_path, "gloo", case)
     got, losses = _train(tmp_path, backend, case)

@@ -124,8 +124,14 @@ def test_two_hosts_train_digits_with_ddp_as_one_host_does(distrun_hosts, tmp_pat
     _same_training_on_two_hosts(distrun_hosts(2), tmp_path, "digits-ddp")
 
 
+#: the cells the default suite runs (digits-ddp has its own test); the others are `extended`
+DEFAULT_CASES = ("gpt-fsdp-tp2",)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES if c != "digits-ddp"])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=() if c in DEFAULT_CASES else pytest.mark.extended)
+    for c in CASES if c != "digits-ddp"])
 def test_two_hosts_train_as_one_host_does(distrun_hosts, tmp_path, case):
     _same_training_on_two_hosts(distrun_hosts(2), tmp_path, case)
 

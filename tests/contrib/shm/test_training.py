@@ -42,7 +42,8 @@ def _val_losses(output: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.extended),
+                                      pytest.param("tp", marks=pytest.mark.extended)])
 def test_distrun_run_backend_shm_matches_gloo(tmp_path, strategy):
     env = {"TINY_GPT_CHARS": "3000", "TINY_GPT_LAYERS": "2"}
     runs = {}
