@@ -63,13 +63,26 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def make_model(layers: int, dim: int) -> torch.nn.Module:
+def make_model(layers: int, dim: int, mesh: Any = None) -> torch.nn.Module:
+    """``layers`` dim x dim float32 weights, layer i filled with i + 0.5. With a 1-D device
+    ``mesh`` each weight is a DTensor sharded by rows over it (``Shard(0)``, FSDP's layout):
+    this rank allocates only its rows."""
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False, device="meta")
                                   for _ in range(layers)])
-    model.to_empty(device="cpu")
+    if mesh is None:
+        model.to_empty(device="cpu")
+    else:
+        from torch.distributed.tensor import DTensor, Shard
+
+        rows = -(-dim // mesh.size())  # torch.chunk's split: the last rank may hold fewer
+        first = min(dim, mesh.get_local_rank() * rows)
+        for layer in model:
+            local = torch.empty(min(dim, first + rows) - first, dim)
+            layer.weight = torch.nn.Parameter(DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=(dim, dim), stride=(dim, 1)))
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
-            p.fill_(float(i) + 0.5)
+            (p.to_local() if mesh is not None else p).fill_(float(i) + 0.5)
     return model
 
 
@@ -93,12 +106,13 @@ def _fsync_write(path: str, tensors: list[torch.Tensor]) -> None:
 DD_BLOCK = 64 << 20  # dd bs=64M
 
 
-def _dd(path: str, nbytes: int) -> int:
-    """``dd if=/dev/zero bs=64M oflag=direct`` of at least ``nbytes``; returns the bytes written."""
-    count = -(-nbytes // DD_BLOCK)
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}",
+def _dd(path: str, nbytes: int, block: int = DD_BLOCK) -> int:
+    """``dd if=/dev/zero bs=<block> oflag=direct`` of at least ``nbytes`` (``block``: a multiple
+    of 4096, 64M by default); returns the bytes written."""
+    count = -(-nbytes // block)
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}",
                     "oflag=direct", "status=none"], check=True)
-    return count * DD_BLOCK
+    return count * block
 
 
 def _settle(root: str, rank: int) -> None:

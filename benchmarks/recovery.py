@@ -23,6 +23,12 @@ rank 1 SIGKILLs itself at step KILL after writing the time. Each side is allowed
   latest checkpoint (warm);
 - ``distrun-cold``: the same with ``--no-warm-restart``.
 
+The model, the kill step, the run's length, the checkpoint cadence and the process-group
+timeout are read from ``BENCH_WIDTH`` and ``BENCH_DEPTH`` (an MLP 8 -> width, then ``depth``
+width x width layers, -> 1; default 16 and 0), ``BENCH_KILL_STEP``, ``BENCH_STEPS``,
+``BENCH_CKPT_EVERY`` and ``BENCH_PG_TIMEOUT`` (default 50, 60, 2 and 30 s) by every side, so
+that ``benchmarks/curves.py`` can time the same restart for larger models.
+
 Printed: per side, the medians over its successful trials (trials alternate side by side) of
 the recovery (death -> end of the first step after it) and its two parts: detect+respawn
 (death -> the restarted rank 0 process exists) and worker start -> first resumed step (the
@@ -47,6 +53,8 @@ from pathlib import Path
 
 KILL_STEP = 50
 STEPS = 60
+CKPT_EVERY = 2
+PG_TIMEOUT = 30
 
 #: the wall-clock time this process was started (forked), from /proc: its age is the machine's
 #: uptime minus the process's start time in clock ticks since boot (both 10 ms resolution)
@@ -59,18 +67,33 @@ def _started():
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 '''
 
+#: every side's model (torch.nn passed in): 8 -> width (-> width, depth times) -> 1
+NET = '''
+def _net(nn):
+    width = int(os.environ.get("BENCH_WIDTH", "16"))
+    layers = [nn.Linear(8, width), nn.Tanh()]
+    for _ in range(int(os.environ.get("BENCH_DEPTH", "0"))):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+'''
+
 PLAIN_SCRIPT = '''
 import datetime, json, os, signal, sys, time
 STARTED
+NET
 import torch, torch.distributed as dist
 from torch import nn
 
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 out = sys.argv[1]
+STEPS = int(os.environ.get("BENCH_STEPS", "DEFAULT_STEPS"))
+KILL_STEP = int(os.environ.get("BENCH_KILL_STEP", "DEFAULT_KILL_STEP"))
+EVERY = int(os.environ.get("BENCH_CKPT_EVERY", "DEFAULT_EVERY"))
+timeout = int(os.environ.get("BENCH_PG_TIMEOUT", "DEFAULT_TIMEOUT"))
 ckpt = os.path.join(out, "ckpt.pt")
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+model = _net(nn)
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 first = 1
 if os.path.exists(ckpt):
@@ -78,6 +101,7 @@ if os.path.exists(ckpt):
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     first = state["step"] + 1
+    del state  # the optimizer holds its loaded tensors; the model's copy can go
 x, y = torch.randn(256, 8), torch.randn(256, 1)
 for step in range(first, STEPS + 1):
     i = step % 31
@@ -93,7 +117,7 @@ for step in range(first, STEPS + 1):
         if attempt > 0 and step == first:
             with open(os.path.join(out, "start.json"), "w") as fh:
                 json.dump({"started": _started()}, fh)
-        if step % 2 == 0:
+        if step % EVERY == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
                        ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
@@ -105,13 +129,16 @@ for step in range(first, STEPS + 1):
     elif attempt == 0 and step == KILL_STEP:
         dist.barrier()
 dist.destroy_process_group()
-'''.replace("STEPS", str(STEPS)).replace("KILL_STEP", str(KILL_STEP)).replace(
-    "STARTED\n", STARTED)
+'''.replace("DEFAULT_STEPS", str(STEPS)).replace(
+    "DEFAULT_KILL_STEP", str(KILL_STEP)).replace("DEFAULT_EVERY", str(CKPT_EVERY)).replace(
+    "DEFAULT_TIMEOUT", str(PG_TIMEOUT)).replace("STARTED\n", STARTED).replace("NET\n", NET)
 
 PLUGIN = '''
 """Benchmark helper plugin: a gradient-averaging strategy, the kill and the timestamps."""
 import json, os, signal, time
 from distrun.plugin import StrategyInfo, hookimpl
+
+KILL_STEP = int(os.environ.get("BENCH_KILL_STEP", "DEFAULT_KILL_STEP"))
 
 
 def _make(config):
@@ -167,13 +194,14 @@ def distrun_on_step_end(run, step):
         with open(os.path.join(os.environ["BENCH_OUT"], "death.json"), "w") as fh:
             json.dump({"t": time.time()}, fh)
         os.kill(os.getpid(), signal.SIGKILL)
-STARTED'''.replace("KILL_STEP", str(KILL_STEP)).replace("STARTED", STARTED)
+STARTED'''.replace("DEFAULT_KILL_STEP", str(KILL_STEP)).replace("STARTED", STARTED)
 
 TASK = '''
+import os
 import torch
 from torch import nn
 import distrun
-
+NET
 
 class BenchTask(distrun.Task):
     def __init__(self):
@@ -182,7 +210,7 @@ class BenchTask(distrun.Task):
                                                    torch.randn(256, 1, generator=gen))
 
     def configure_model(self):
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        return _net(nn)
 
     def configure_optimizer(self, params):
         return torch.optim.AdamW(params, lr=0.01)
@@ -193,7 +221,7 @@ class BenchTask(distrun.Task):
     def training_step(self, model, batch):
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
-'''
+'''.replace("NET", NET)
 
 
 #: one trial: (success, recovery s, detect+respawn s, worker start -> first step s, load s)
@@ -217,10 +245,23 @@ def _recovery(out: Path) -> tuple[float | None, float | None, float | None]:
     return min(after) - death, started - death, min(after) - started
 
 
-def _trial(kind: str, work: Path, index: int) -> Trial:
+def prepare(work: Path) -> None:
+    """Write the sides' script, plugin and task into ``work`` (what :func:`_trial` runs)."""
+    (work / "plain.py").write_text(PLAIN_SCRIPT)
+    (work / "recovery_bench.py").write_text(PLUGIN)
+    (work / "bench_task.py").write_text(TASK)
+
+
+def _trial(kind: str, work: Path, index: int, extra_env: dict[str, str] | None = None,
+           timeout: float = 300) -> Trial:
+    """One launch of side ``kind`` in ``work/<kind>-<index>``; ``extra_env``: the ``BENCH_*``
+    settings of the module docstring."""
     out = work / f"{kind}-{index}"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_OUT=str(out), PYTHONPATH=str(work))
+    # work first (the plugin and task modules), then what the caller's path had
+    path = os.pathsep.join(p for p in (str(work), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_OUT=str(out), PYTHONPATH=path,
+               **(extra_env or {}))
     plain = [str(work / "plain.py"), str(out)]
     if kind.startswith("torchrun"):
         if kind == "torchrun-fix":
@@ -237,12 +278,15 @@ def _trial(kind: str, work: Path, index: int) -> Trial:
                                    "recovery_bench")
         cmd = [sys.executable, "-m", "distrun", "run", "--max-restarts", "1",
                "--nproc-per-node", "2", "--strategy", "benchsum", "--batch-size", "16",
-               "--max-steps", str(STEPS), "--max-epochs", "10", "--ckpt-every-n-steps", "2",
-               "--no-summary", "--timeout", "30", "--name", f"bench-{index}",
+               "--max-steps", env.get("BENCH_STEPS", str(STEPS)), "--max-epochs", "10",
+               "--ckpt-every-n-steps", env.get("BENCH_CKPT_EVERY", str(CKPT_EVERY)),
+               "--no-summary", "--timeout", env.get("BENCH_PG_TIMEOUT", str(PG_TIMEOUT)),
+               "--name", f"bench-{index}",
                *(["--no-warm-restart"] if "cold" in kind else []),
                f"{work / 'bench_task.py'}:BenchTask"]
     try:
-        proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True,
+                              timeout=timeout)
         ok = proc.returncode == 0
         if not ok:  # say why, briefly
             lines = [ln for ln in proc.stderr.splitlines()
@@ -271,9 +315,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown side(s) {', '.join(sorted(unknown))}: choose from {SIDES}")
     work = Path(tempfile.mkdtemp(prefix="distrun-recovery-"))
     try:
-        (work / "plain.py").write_text(PLAIN_SCRIPT)
-        (work / "recovery_bench.py").write_text(PLUGIN)
-        (work / "bench_task.py").write_text(TASK)
+        prepare(work)
         results: dict[str, list[Trial]] = {kind: [] for kind in sides}
         for i in range(trials):
             # interleaved and rotated, so every side sees the same machine load and none

@@ -42,7 +42,11 @@ from distrun.plugin import hookimpl
 SIZES = {  # name: (input, hidden layers, classes)
     "tiny-50K": (128, [256, 64], 10),
     "mlp-5M": (512, [2048, 2048], 10),
+    "mlp-50M": (4096, [4096, 4096, 4096], 10),  # benchmarks/curves.py's largest point
 }
+#: (steps, warm-up steps) of each model measured by default, and with --quick
+PLAN = {"tiny-50K": (300, 50), "mlp-5M": (40, 8)}
+QUICK_PLAN = {"tiny-50K": (150, 20), "mlp-5M": (25, 5)}
 GLOBAL_BATCH = 64
 LOG_EVERY = int(os.environ.get("BENCH_LOG_EVERY", "10"))
 #: add-on logger plugins left out of the comparison (their cost is theirs, not the loop's)
@@ -254,6 +258,31 @@ def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> b
     return ok
 
 
+def bench_env(log_every: int = LOG_EVERY) -> dict[str, str]:
+    """The launches' environment: one thread per process, add-on loggers blocked."""
+    return dict(os.environ, OMP_NUM_THREADS="1", DISTRUN_BLOCK_PLUGINS=BLOCKED,
+                BENCH_LOG_EVERY=str(log_every))
+
+
+def in_process(size: str, steps: int, warmup: int, repeats: int,
+               env: dict[str, str]) -> dict[str, list[float]] | None:
+    """One ``distrun run --nproc-per-node 2 --strategy ddp`` launch alternating both loops in
+    the same processes (``--worker``): steps/s of each repeat under ``torch`` and ``distrun``;
+    None (said, with the launch's stderr) when it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
+               "--strategy", "ddp", "--run-dir", tmp, os.path.abspath(__file__),
+               "--worker", size, str(steps), str(warmup), str(repeats), out]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"{size}: the run failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+            return None
+        with open(out) as fh:
+            result: dict[str, list[float]] = json.load(fh)
+        return result
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
@@ -266,8 +295,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
                                                       "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DISTRUN_BLOCK_PLUGINS=BLOCKED,
-               BENCH_LOG_EVERY=str(args.log_every))
+    env = bench_env(args.log_every)
     if args.worker:
         size, steps, warmup, repeats, out = args.worker
         worker(size, int(steps), int(warmup), int(repeats), out)
@@ -276,10 +304,7 @@ def main(argv: list[str]) -> int:
         kind, size, steps, warmup, out = args.launch_worker
         launch_worker(kind, size, int(steps), int(warmup), out)
         return 0
-    plan = {"tiny-50K": (300, 50), "mlp-5M": (40, 8)}
-    repeats = 3
-    if args.quick:
-        plan, repeats = {"tiny-50K": (150, 20), "mlp-5M": (25, 5)}, 2
+    plan, repeats = (QUICK_PLAN, 2) if args.quick else (PLAN, 3)
     if args.launches is not None:
         # a launch's timed stretch must outlast the machine's hiccups: seconds, not a fraction
         plan = {"tiny-50K": (600, 100), "mlp-5M": (40, 8)} if args.quick else \
@@ -291,18 +316,10 @@ def main(argv: list[str]) -> int:
     ok = True
     for size, (steps, warmup) in plan.items():
         params = sum(p.numel() for p in _model(size).parameters())
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
-                   "--strategy", "ddp", "--run-dir", tmp, os.path.abspath(__file__),
-                   "--worker", size, str(steps), str(warmup), str(repeats), out]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
-            if proc.returncode != 0 or not os.path.exists(out):
-                print(f"{size}: the run failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
-                ok = False
-                continue
-            with open(out) as fh:
-                res = json.load(fh)
+        res = in_process(size, steps, warmup, repeats, env)
+        if res is None:
+            ok = False
+            continue
         t, d = res["torch"], res["distrun"]
         ratio = max(d) / max(t)
         ratio_med = statistics.median(d) / statistics.median(t)
