@@ -730,7 +730,7 @@ def _counts(text: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("curves", nargs="*", metavar="CURVE",
                         help=f"which to measure, of {', '.join(CURVES)} (default: all)")
     parser.add_argument("--quick", action="store_true",
