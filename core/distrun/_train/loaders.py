@@ -41,8 +41,9 @@ class _TensorBatches(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         index = torch.as_tensor(indices, dtype=torch.long)
-        # default_collate gives a list for the tuple a TensorDataset's sample is
-        return [t.index_select(0, index) for t in self.tensors]
+        # default_collate gives a list for the tuple a TensorDataset's sample is; a tensor
+        # kept on an accelerator takes the index there (``to`` is a no-op on the CPU)
+        return [t.index_select(0, index.to(t.device)) for t in self.tensors]
 
 
 def _as_read(batch: list[torch.Tensor]) -> list[torch.Tensor]:
