@@ -48,6 +48,9 @@ def ckpts(tmp_path: Path) -> Path:
         train_step(model, opt, step)
         saver.save(step, model, opt, {"progress": {"step": step},
                                       "extra": {"t": torch.arange(3)}})
+    # the pruning after a commit runs on in a thread and may still touch the folder: the
+    # tests compare the tree before and after a command, so it must be over first
+    saver.wait()
     (tmp_path / "outside").mkdir()
     return root
 
