@@ -318,6 +318,11 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             finally:
                 self._release(tmp)
+            if not outcome.get("error"):
+                # only once the claim is released: a pruner started earlier lists the claim's
+                # lock file, judges it abandoned when the release lands in between and
+                # re-creates it to remove it, touching the folder after save() returned
+                self._start_pruning(final, job.get("retention"), job.get("owners"))
             if outcome.get("fenced"):
                 # the ranks of a stale round are often gone: say why, whatever they hear
                 with contextlib.suppress(Exception):
@@ -341,7 +346,6 @@ class Checkpointer:
         retention = job.get("retention")
         commit(self.directory, job["step"], tmp, final, self.generation or 0, retention,
                self.lock_stale_after)
-        self._start_pruning(final, retention, job.get("owners"))
         return {"error": None}
 
     def _tag(self, folder: str, record: dict[str, Any], retention: Retention | None,
