@@ -86,7 +86,7 @@ def make_model(layers: int, dim: int, mesh: Any = None) -> torch.nn.Module:
     return model
 
 
-def _timed(fn: Any) -> float:
+def timed(fn: Any) -> float:
     import torch.distributed as dist
 
     dist.barrier()
@@ -106,7 +106,7 @@ def _fsync_write(path: str, tensors: list[torch.Tensor]) -> None:
 DD_BLOCK = 64 << 20  # dd bs=64M
 
 
-def _dd(path: str, nbytes: int, block: int = DD_BLOCK) -> int:
+def dd_write(path: str, nbytes: int, block: int = DD_BLOCK) -> int:
     """``dd if=/dev/zero bs=<block> oflag=direct`` of at least ``nbytes`` (``block``: a multiple
     of 4096, 64M by default); returns the bytes written."""
     count = -(-nbytes // block)
@@ -159,7 +159,7 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
         _fsync_write(os.path.join(root, f"raw-{rank}.bin"), mine)
 
     def direct() -> None:
-        out["dd_bytes"] = _dd(os.path.join(root, f"dd-{rank}.bin"), mine_bytes)
+        out["dd_bytes"] = dd_write(os.path.join(root, f"dd-{rank}.bin"), mine_bytes)
 
     def torch_save() -> None:
         if rank == 0:
@@ -185,7 +185,7 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
         for key, fn in methods:
             _settle(root, rank)
             with PeakRSS() as mem:
-                seconds = _timed(fn)
+                seconds = timed(fn)
             if key == "ours_save":
                 saver.wait()  # the pruning of the previous round's checkpoint, not timed
             if key == "async_stall":
@@ -214,7 +214,7 @@ def rank_bench(rank: int, world: int, root: str, layers: int, dim: int,
                                                weights_only=True)))
     for _ in range(repeat):
         for key, fn in loads:
-            times.setdefault(key, []).append(_timed(fn))
+            times.setdefault(key, []).append(timed(fn))
     out.update({key: statistics.median(times[key]) for key, _ in loads})
     load(latest, fresh)
     ok = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), tensors,

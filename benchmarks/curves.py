@@ -111,11 +111,6 @@ def _rotated(items: Sequence[str], i: int) -> list[str]:
     return [*items[k:], *items[:k]]
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -163,7 +158,7 @@ def _reap() -> list[str]:
     those that were still running (not the zombies: exited orphans reparented here)."""
     from multiprocessing import forkserver, resource_tracker
 
-    from distrun._launch.reaper import descendants
+    from distrun.testing import descendants
 
     ours = (getattr(forkserver._forkserver, "_forkserver_pid", None),
             getattr(resource_tracker._resource_tracker, "_pid", None))
@@ -353,7 +348,7 @@ def checkpoint_rank(rank: int, world: int, root: str, layers: int, dim: int,
 
     def save(method: str, step: int) -> None:
         if method == "dd":
-            out["dd_bytes"] = checkpoint._dd(dd_file, mine, block)
+            out["dd_bytes"] = checkpoint.dd_write(dd_file, mine, block)
         elif method == "dcp":
             dcp.save(state, checkpoint_id=folder["dcp"])
         else:
@@ -377,7 +372,7 @@ def checkpoint_rank(rank: int, world: int, root: str, layers: int, dim: int,
                 # each rank deletes its own dd file; rank 0 the shared checkpoint folders
                 _fresh([dd_file] if method == "dd" else [folder[method]] if rank == 0 else [])
                 with checkpoint.PeakRSS() as mem:
-                    seconds = checkpoint._timed(lambda m=method, n=r + 1: save(m, n))
+                    seconds = checkpoint.timed(lambda m=method, n=r + 1: save(m, n))
                 out["save"][method].append(seconds)
                 out["rss"][method] = max(out["rss"][method], mem.extra)
             for method in order:
@@ -385,7 +380,7 @@ def checkpoint_rank(rank: int, world: int, root: str, layers: int, dim: int,
                     t.zero_()
                 _uncache(rank, root)
                 out["load"][method].append(
-                    checkpoint._timed(lambda m=method, n=r + 1: restore(m, n)))
+                    checkpoint.timed(lambda m=method, n=r + 1: restore(m, n)))
                 if method != "dd":
                     exact = exact and all(bool(t.eq(i + 0.5).all())
                                           for i, t in enumerate(shards))
@@ -548,7 +543,7 @@ def curve_restart(params: list[int], repeats: int, img: Path) -> bool:
                 for side in _rotated(RESTART_SIDES, r):
                     index += 1
                     try:
-                        trials[side].append(recovery._trial(side, work, index, env,
+                        trials[side].append(recovery.trial(side, work, index, env,
                                                             timeout=300 + count / 1e6))
                         if trials[side][-1][0]:
                             resumed[side].add(_resumed_at(work / f"{side}-{index}"))
@@ -582,10 +577,10 @@ def _restart_row(count: int, trials: dict[str, list[recovery.Trial]],
     row: dict[str, Any] = {"params": count}
     for side, runs in trials.items():
         good = [t for t in runs if t[0]]
-        row[side] = {"recover": _median([t[1] for t in good]),
-                     "detect": _median([t[2] for t in good]),
-                     "start": _median([t[3] for t in good]),
-                     "load": _median([t[4] for t in good]), "ok": len(good),
+        row[side] = {"recover": recovery.median([t[1] for t in good]),
+                     "detect": recovery.median([t[2] for t in good]),
+                     "start": recovery.median([t[3] for t in good]),
+                     "load": recovery.median([t[4] for t in good]), "ok": len(good),
                      "resumed": ",".join(str(s) for s in sorted(resumed[side], key=str))}
     return row
 
@@ -655,7 +650,7 @@ def curve_startup(procs: list[int], repeats: int, img: Path) -> bool:
             for r in range(repeats):
                 for side in _rotated(STARTUP_SIDES, r):
                     times[side].append(_startup(side, n, work, script))
-            row = {"procs": n, **{side: _median(times[side]) for side in STARTUP_SIDES},
+            row = {"procs": n, **{side: recovery.median(times[side]) for side in STARTUP_SIDES},
                    "ok": sum(t is not None for ts in times.values() for t in ts)}
             rows.append(row)
             print(f"{n:>5} | {_fmt(row['torchrun'], '.2f', 8)}s {_fmt(row['distrun'], '.2f', 8)}s "
@@ -692,14 +687,14 @@ def curve_step(models: list[str], repeats: int, quick: bool, img: Path) -> bool:
     rows: list[dict[str, Any]] = []
     for size in models:
         steps, warmup = plan[size]
-        params = sum(p.numel() for p in step_overhead._model(size).parameters())
+        params = sum(p.numel() for p in step_overhead.mlp(size).parameters())
         try:
             res = step_overhead.in_process(size, steps, warmup, repeats, env)
         finally:
             _say_reaped(size)
         row = {"model": size, "params": params,
-               "torch": _median(res["torch"]) if res else None,
-               "distrun": _median(res["distrun"]) if res else None}
+               "torch": recovery.median(res["torch"]) if res else None,
+               "distrun": recovery.median(res["distrun"]) if res else None}
         rows.append(row)
         print(f"{size:<10} {params:>11,} | {_fmt(row['torch'], '.1f', 9)} "
               f"{_fmt(row['distrun'], '.1f', 9)} | "

@@ -246,13 +246,13 @@ def _recovery(out: Path) -> tuple[float | None, float | None, float | None]:
 
 
 def prepare(work: Path) -> None:
-    """Write the sides' script, plugin and task into ``work`` (what :func:`_trial` runs)."""
+    """Write the sides' script, plugin and task into ``work`` (what :func:`trial` runs)."""
     (work / "plain.py").write_text(PLAIN_SCRIPT)
     (work / "recovery_bench.py").write_text(PLUGIN)
     (work / "bench_task.py").write_text(TASK)
 
 
-def _trial(kind: str, work: Path, index: int, extra_env: dict[str, str] | None = None,
+def trial(kind: str, work: Path, index: int, extra_env: dict[str, str] | None = None,
            timeout: float = 300) -> Trial:
     """One launch of side ``kind`` in ``work/<kind>-<index>``; ``extra_env``: the ``BENCH_*``
     settings of the module docstring."""
@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
             # always follows the same one
             for kind in sides[i % len(sides):] + sides[:i % len(sides)]:
                 started = time.perf_counter()
-                results[kind].append(_trial(kind, work, i))
+                results[kind].append(trial(kind, work, i))
                 ok, rec, respawn, start, _ = results[kind][-1]
                 parts = (f" (detect+respawn {respawn:.2f} s, start -> step {start:.2f} s)"
                          if respawn is not None and start is not None else "")
@@ -340,7 +340,7 @@ SIDES = ("torchrun", "torchrun-fix", "distrun-run", "distrun-run-cold", "distrun
          "distrun-cold")
 
 
-def _median(values: list[float | None]) -> float | None:
+def median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
 
@@ -354,10 +354,10 @@ def _summary(results: dict[str, list[Trial]], trials: int) -> int:
           f"{'detect+respawn':>15} {'start -> step':>14}  success")
     for kind, rows in results.items():
         good = [r for r in rows if r[0]]
-        med[kind] = _median([r[1] for r in good])
+        med[kind] = median([r[1] for r in good])
         rate = len(good)
-        print(f"{'':34}{kind:<16} {show(med[kind]):>9} {show(_median([r[2] for r in good])):>15} "
-              f"{show(_median([r[3] for r in good])):>14}  {rate}/{trials} "
+        print(f"{'':34}{kind:<16} {show(med[kind]):>9} {show(median([r[2] for r in good])):>15} "
+              f"{show(median([r[3] for r in good])):>14}  {rate}/{trials} "
               f"({100 * rate / trials:.0f}%)")
     for side, target in (("distrun-run", "0.50"), ("distrun-run-cold", "1.00")):
         for base in ("torchrun", "torchrun-fix"):
@@ -367,7 +367,7 @@ def _summary(results: dict[str, list[Trial]], trials: int) -> int:
     for side in ("distrun", "distrun-cold"):
         if side not in results:
             continue
-        load = _median([r[4] for r in results[side]]) or 0.0
+        load = median([r[4] for r in results[side]]) or 0.0
         print(f"{side} checkpoint load (median): {load:.3f} s")
         for base in ("torchrun", "torchrun-fix"):
             if med.get(base) and med[side]:

@@ -53,7 +53,7 @@ LOG_EVERY = int(os.environ.get("BENCH_LOG_EVERY", "10"))
 BLOCKED = "progress,tensorboard"
 
 
-def _model(size: str) -> Any:
+def mlp(size: str) -> Any:
     from torch import nn
 
     n_in, hidden, n_out = SIZES[size]
@@ -84,7 +84,7 @@ def hand_written(size: str, steps: int, warmup: int) -> float:
     from torch.utils.data import DataLoader, DistributedSampler
 
     torch.manual_seed(0)
-    model = DDP(_model(size))
+    model = DDP(mlp(size))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = _data(size, steps)
     sampler = DistributedSampler(data, seed=0, drop_last=True)
@@ -108,7 +108,7 @@ class _Task:
         self.size, self.steps = size, steps
 
     def configure_model(self) -> Any:
-        return _model(self.size)
+        return mlp(self.size)
 
     def configure_optimizer(self, params: Any) -> Any:
         import torch
@@ -247,7 +247,7 @@ def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> b
     print(f"{'model':<10} {'params':>9} " + " ".join(f"{k:>13}" for k in kinds) +
           f" {'run/torchrun':>13} {'loop/torchrun':>14}")
     for size, rates in rows:
-        params = sum(p.numel() for p in _model(size).parameters())
+        params = sum(p.numel() for p in mlp(size).parameters())
         med = {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
         print(f"{size:<10} {params:>9,} " + " ".join(f"{med[k]:>13.1f}" for k in kinds) +
               f" {med['distrun-run'] / med['torchrun']:>13.3f}"
@@ -315,7 +315,7 @@ def main(argv: list[str]) -> int:
     print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")
     ok = True
     for size, (steps, warmup) in plan.items():
-        params = sum(p.numel() for p in _model(size).parameters())
+        params = sum(p.numel() for p in mlp(size).parameters())
         res = in_process(size, steps, warmup, repeats, env)
         if res is None:
             ok = False
