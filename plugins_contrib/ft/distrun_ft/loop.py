@@ -284,6 +284,7 @@ def fit_ft(run: Any) -> Any:
                     run.progress.step == total:
                 _log(run, loss, state)
             if (run.progress.step % per_epoch) == 0:
+                _validate(run)
                 run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
             if run.stop_signal is not None or run.stop_requested:
                 run.done = True
@@ -328,10 +329,27 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
                "ft_quorum_id": state.quorum_id, "ft_replica_rank": state.replica_rank}
     run.hook.distrun_on_step_end(run=run, step=run.progress.step, metrics=metrics)
     _log(run, loss, state)
-    for ended in range(start // per_epoch, run.progress.step // per_epoch):
-        run.hook.distrun_on_epoch_end(run=run, epoch=ended)
+    ended = range(start // per_epoch, run.progress.step // per_epoch)
+    if ended:
+        _validate(run)
+    for epoch in ended:
+        run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
     if run.stop_signal is not None or run.stop_requested:
         run.done = True
+
+
+def _validate(run: Any) -> None:
+    """An epoch's validation, as the core's loop runs it: through ``distrun_run_validation``
+    over this group's ranks (every group gets the same figures: their weights are the same),
+    then logged and handed to ``distrun_on_validation_end``."""
+    if run.val_loader is None:
+        return
+    metrics = run.hook.distrun_run_validation(run=run) or {}
+    run.model.train()
+    if metrics:
+        run.metrics.update(metrics)
+        run.hook.distrun_on_validation_end(run=run, step=run.progress.step, metrics=metrics)
+        run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=dict(metrics))
 
 
 def _refuse_a_foreign_quorum(run: Any, manager: Any, replica: int) -> None:
