@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
@@ -230,8 +231,9 @@ class DistrunAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self.root_cause is None:
             # A worker ended between our poll above and torch's: name it now, or the restart
-            # below would go ahead without its line (and without stopping its siblings first)
-            self._stop_siblings_of_failure(worker_group)
+            # below would go ahead without its line. Torch has stopped its siblings already
+            # (SIGTERM): their exits are not the cause.
+            self._stop_siblings_of_failure(worker_group, after_torch_stop=True)
         if failed and self.root_cause and self.root_cause[1] == EXIT_REQUEUE and \
                 _nodes_waiting(worker_group) > 0:
             # Not a stop of this run: a node joins, another node's agent stopped its workers
@@ -276,7 +278,8 @@ class DistrunAgent(LocalElasticAgent):
         for proc in procs:
             proc.wait()
 
-    def _stop_siblings_of_failure(self, worker_group: Any) -> None:
+    def _stop_siblings_of_failure(self, worker_group: Any, after_torch_stop: bool = False
+                                  ) -> None:
         pcontext = self._pcontext
         handlers = getattr(pcontext, "subprocess_handlers", None)
         if not handlers or self.root_cause is not None:
@@ -294,7 +297,7 @@ class DistrunAgent(LocalElasticAgent):
             text = _file_tail(stderrs.get(lr, ""))
             return any(p in text for p in _SECONDARY)
 
-        lr, code = min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), ranks.get(f[0], 0)))
+        lr, code = root_cause(failed, ranks, secondary, after_torch_stop)
         self.root_cause = (ranks.get(lr, lr), code)
         # A requeue exit means a checkpoint was committed: the others are finishing the same.
         grace = float(self._shutdown_timeout) if code == EXIT_REQUEUE else RESTART_GRACE
@@ -308,6 +311,25 @@ class DistrunAgent(LocalElasticAgent):
         finally:
             exits.close()
         _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
+
+
+def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
+               secondary: Callable[[int], bool], after_torch_stop: bool = False
+               ) -> tuple[int, int]:
+    """The failure that stopped the attempt, of ``failed`` ((local rank, exit code) pairs; the
+    code ``-N`` for signal N; ``ranks``: local to global rank): a rank killed by a signal
+    first, then one that did not merely lose a peer (``secondary``), then the lowest rank.
+
+    ``after_torch_stop``: torch's agent saw a worker fail and has already sent SIGTERM to the
+    others, so the exits that SIGTERM makes (-15, or a distrun worker's requeue exit after
+    saving) come last: naming one of them restarted a usage error, or gave up on a failure
+    as if the workers had asked to be requeued.
+    """
+    def stopped(code: int) -> bool:
+        return after_torch_stop and code in (-int(signal.SIGTERM), EXIT_REQUEUE)
+
+    return min(failed, key=lambda f: (stopped(f[1]), f[1] >= 0, secondary(f[0]),
+                                      ranks.get(f[0], 0)))
 
 
 def _file_tail(path: str, nbytes: int = 8192) -> str:

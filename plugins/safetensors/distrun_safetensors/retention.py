@@ -7,12 +7,14 @@ Rank 0 runs all of it, after a commit (see FORMAT.md, commit protocol). Torch-fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from distrun_safetensors.fence import STALE_AFTER, CommitLock
 from distrun_safetensors.files import durable, fsync_dir, member, write_json
 from distrun_safetensors.leftovers import sweep_stale
 from distrun_safetensors.manifest import (
@@ -30,6 +32,9 @@ from distrun_safetensors.paths import GENERATION_FILE
 #: the ``reason`` in the manifest of a checkpoint a callback object wrote
 #: (:mod:`~distrun_safetensors.callback`): ``--ckpt-keep-last`` leaves these to their callback
 CALLBACK_REASON = "callback"
+
+#: the temporary names a commit, a tag or a draw of the generation writes beside the folders
+_TEMPORARIES = (".old-step-", ".latest-", f".{BEST}-", ".manifest-", f"{GENERATION_FILE}-")
 
 __all__ = ["Retention", "add_record", "point_best", "prune", "replace_pointer"]
 
@@ -93,9 +98,13 @@ def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
 
 
 def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None,
-          held: frozenset[str] = frozenset(), released: frozenset[str] = frozenset()) -> None:
+          held: frozenset[str] = frozenset(), released: frozenset[str] = frozenset(),
+          stale_after: float = STALE_AFTER) -> None:
     """Drop leftovers of crashed saves, all but the ``keep_last`` newest checkpoints, and
     (with ``retention``) the checkpoints saved for the best k that left the top k.
+
+    ``stale_after``: how long a commit lock left by another host lasts (see
+    :mod:`~distrun_safetensors.fence`); the temporaries of commits are removed under it.
 
     Checkpoint callbacks (:mod:`~distrun_safetensors.callback`): the folders one of them keeps
     (``held``) are never removed; those their writer let go and none keeps (``released``) are;
@@ -107,14 +116,18 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
     (or any value, in a run without ``--ckpt-monitor``) is left alone.
     """
     sweep_stale(directory)
-    for name in os.listdir(directory):
-        if name.startswith((".old-step-", ".latest-", f".{BEST}-", ".manifest-",
-                            f"{GENERATION_FILE}-")):
-            path = os.path.join(directory, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
+    # every writer of these temporaries (a commit, a tag, a draw of the generation) holds the
+    # commit lock while they exist: under it, the ones left are a killed writer's, never those
+    # of another run still writing to the folder
+    with CommitLock(directory, stale_after):
+        for name in os.listdir(directory):
+            if name.startswith(_TEMPORARIES):
+                path = os.path.join(directory, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
     if keep_last <= 0 and retention is None and not released:
         return
     protect = (retention.protect if retention is not None else frozenset()) | held

@@ -369,7 +369,7 @@ class Checkpointer:
         held, released = owners or (frozenset(), frozenset())
         self._pruner = threading.Thread(target=prune, daemon=True, name="distrun-ckpt-prune",
                                         args=(self.directory, keep, self.keep_last, retention,
-                                              held, released))
+                                              held, released, self.lock_stale_after))
         self._pruner.start()
 
     def _release(self, tmp: str) -> None:

@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -323,4 +324,35 @@ def test_a_lock_left_by_a_killed_commit_is_cleared_by_the_sweep(tmp_path):
     proc.kill()
     proc.join(60)
     assert clear_dead_lock(directory)
+    assert os.listdir(tmp_path) == []
+
+
+def test_pruning_leaves_the_temporaries_of_a_live_commit_alone(tmp_path):
+    """Another writer of the folder holds the commit lock while it writes `.generation-*`
+    (its draw) or `.latest-*`: a prune waits for the lock and removes only what a killed writer
+    left. (A pruner that did not wait removed another run's draw before its rename: CI saw
+    `cannot draw a generation ... No such file or directory` in the race test above.)"""
+    from distrun_safetensors.retention import prune
+
+    directory = str(tmp_path)
+    ctx = mp.get_context("fork")
+    held, done = ctx.Event(), ctx.Event()
+    writer = ctx.Process(target=_hold, args=(directory, None, held, done))
+    writer.start()
+    pruner = None
+    try:
+        assert held.wait(60)
+        temporaries = [tmp_path / ".generation-0123abcd", tmp_path / ".latest-89abcdef"]
+        for path in temporaries:
+            path.write_text("being written")
+        pruner = threading.Thread(target=prune, args=(directory, "", 0))
+        pruner.start()
+        pruner.join(1.0)  # it waits on the live holder's lock ...
+        assert pruner.is_alive() and all(p.exists() for p in temporaries)
+    finally:
+        done.set()  # ... and once the holder is gone, what it left is a leftover
+        writer.join(60)
+        if pruner is not None:
+            pruner.join(60)
+    assert pruner is not None and not pruner.is_alive()
     assert os.listdir(tmp_path) == []
