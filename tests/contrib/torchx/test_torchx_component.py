@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -79,10 +80,31 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    torchx = Path(sys.executable).parent / "torchx"
-    return subprocess.run([str(torchx), *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+def _torchx(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchx ARGS`` in ``cwd``; a ``run`` keeps its replicas' logs in ``cwd/logs``. One
+    still running after ``timeout`` seconds is stopped with every replica it started, and the
+    test fails with what the replicas printed (CI once saw the two-node run hang, silently)."""
+    torchx = str(Path(sys.executable).parent / "torchx")
+    if args[:1] == ("run",):
+        args = ("run", "-cfg", f"log_dir={cwd / 'logs'}", *args[1:])
+    proc = subprocess.Popen([torchx, *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchx and the replicas it runs as children
+        out, err = proc.communicate()
+        pytest.fail(f"torchx {' '.join(args)} still running after {timeout:.0f} s\n"
+                    f"{out}{err}{_replica_logs(cwd)}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _replica_logs(cwd: Path) -> str:
+    """What each replica printed (TorchX's logs) and each worker's stderr (distrun's)."""
+    paths = [*sorted((cwd / "logs").rglob("combined.log")),
+             *sorted((cwd / "runs").rglob("stderr.log"))]
+    return "".join(f"\n--- {path.relative_to(cwd)}:\n{path.read_text()[-3000:]}"
+                   for path in paths)
 
 
 def _runner(*component_args: str, cwd: Path) -> tuple[dict, subprocess.CompletedProcess]:
