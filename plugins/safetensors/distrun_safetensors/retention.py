@@ -116,18 +116,19 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
     (or any value, in a run without ``--ckpt-monitor``) is left alone.
     """
     sweep_stale(directory)
-    # every writer of these temporaries (a commit, a tag, a draw of the generation) holds the
-    # commit lock while they exist: under it, the ones left are a killed writer's, never those
-    # of another run still writing to the folder
-    with CommitLock(directory, stale_after):
-        for name in os.listdir(directory):
-            if name.startswith(_TEMPORARIES):
-                path = os.path.join(directory, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+    if any(name.startswith(_TEMPORARIES) for name in os.listdir(directory)):
+        # every writer of these (a commit, a tag, a draw of the generation) holds the commit
+        # lock while they exist: under it, the ones left are a killed writer's, never those of
+        # another run still writing to the folder
+        with CommitLock(directory, stale_after):
+            for name in os.listdir(directory):
+                if name.startswith(_TEMPORARIES):
+                    path = os.path.join(directory, name)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(path)
     if keep_last <= 0 and retention is None and not released:
         return
     protect = (retention.protect if retention is not None else frozenset()) | held

@@ -39,6 +39,7 @@ from distrun.plugin import (
     bind_address,
     die_with_parent,
     exit_code,
+    fresh_run_folder,
     listen_socket,
     resolve_nproc,
     server_env,
@@ -73,6 +74,7 @@ class _Group:
     done: bool = False
     code: int = 0  # the exit code of its last failure (0: none)
     out_of_restarts: bool = False
+    after_fit: bool = False  # it failed once its fit was done: the script's error, not a loss
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
@@ -177,6 +179,13 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     """Run the replica groups until they finish; the run's exit code."""
     nproc = resolve_nproc(config.nproc_per_node)
     n = int(FtOptions.of(config).replica_groups)
+    if not config.run_dir:
+        # A script that calls distrun.fit() makes its run folder in its workers, from the name
+        # the launcher gave: every group would write the same metrics.csv (one's rename failed
+        # on the other's). An --ft run always trains through distrun's loop, so it gets its
+        # folder here, and each group its own replica<G> in it.
+        config = fresh_run_folder(with_values(
+            config, run_dir=os.path.join("runs", config.name or "run")))
     warn_oversubscribed(nproc * n)
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"
     lighthouse_proc: subprocess.Popen | None = None
@@ -226,6 +235,15 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
             if lighthouse_proc.stdout is not None:
                 lighthouse_proc.stdout.close()
         shutil.rmtree(barrier, ignore_errors=True)
+
+
+def fitted_mark(group: _Group | None = None) -> str:
+    """The name of the mark a group's rank leaves in the meeting folder once its fit is done
+    (the worker's own group and attempt when ``group`` is None)."""
+    if group is None:
+        return f"fitted-replica{os.environ.get(REPLICA_ENV, '0')}-" \
+               f"attempt{os.environ.get(ATTEMPT_ENV, '0')}"
+    return f"fitted-replica{group.index}-attempt{group.attempt}"
 
 
 def _stop_unjoined(groups: list[_Group], folder: str) -> None:
@@ -279,6 +297,14 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
             group.code = exit_code(code)
             if group.code == 2:  # a usage error, said by the worker in one line: no restart
                 return 2
+            if os.path.exists(os.path.join(barrier.rpartition(":")[0], fitted_mark(group))):
+                # its training was done: what failed is the script after fit, and a restart
+                # would only fail the same way (the others go on to their own end)
+                group.after_fit = group.out_of_restarts = True
+                _say(f"replica group {group.index} finished training, then rank {rank} exited "
+                     f"with code {code}: an error of the script after fit (its output is "
+                     "above); not restarted")
+                continue
             if group.attempt >= budget or any(g.done for g in groups):
                 group.out_of_restarts = True
                 _say(f"replica group {group.index} lost (rank {rank} exited with code {code}); "
@@ -294,6 +320,9 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
         if any(g.done for g in groups):
             _stop_unjoined(groups, barrier.rpartition(":")[0])
         if all(g.done or g.out_of_restarts for g in groups):
+            scripts = [g.code for g in groups if g.after_fit]
+            if scripts:
+                return scripts[0]
             if any(g.done for g in groups):
                 return 0
             return next(g.code for g in groups if g.out_of_restarts)

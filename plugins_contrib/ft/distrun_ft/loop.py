@@ -49,6 +49,7 @@ from distrun_ft.launcher import (
     GROUPS_ENV,
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
+    fitted_mark,
 )
 from distrun_ft.options import FtOptions
 from distrun_ft.settings import TORCHFT_PIN, sync_mode, timeouts
@@ -283,11 +284,15 @@ def fit_ft(run: Any) -> Any:
             if run.progress.step % int(cfg.log_every_n_steps) == 0 or \
                     run.progress.step == total:
                 _log(run, loss, state)
-            if (run.progress.step % per_epoch) == 0:
+            epoch_ended = run.progress.step % per_epoch == 0
+            if epoch_ended or _validation_due(run, step):
                 _validate(run)
+            if epoch_ended:
                 run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
             if run.stop_signal is not None or run.stop_requested:
                 run.done = True
+        if run.progress.step >= total:
+            _mark(fitted_mark())  # a failure from here on is the script's, not a lost group
     finally:
         manager.shutdown(wait=False)
         if own_group:
@@ -330,7 +335,7 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
     run.hook.distrun_on_step_end(run=run, step=run.progress.step, metrics=metrics)
     _log(run, loss, state)
     ended = range(start // per_epoch, run.progress.step // per_epoch)
-    if ended:
+    if ended or _validation_due(run, start):
         _validate(run)
     for epoch in ended:
         run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
@@ -338,8 +343,16 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
         run.done = True
 
 
+def _validation_due(run: Any, start: int) -> bool:
+    """Whether ``--val-every-n-steps`` asks for a validation between step ``start`` and the
+    step just committed (one step, or a window of ``--ft-sync``)."""
+    every = int(run.config.val_every_n_steps)
+    return every > 0 and start // every < run.progress.step // every
+
+
 def _validate(run: Any) -> None:
-    """An epoch's validation, as the core's loop runs it: through ``distrun_run_validation``
+    """A validation (each epoch's end, and every ``--val-every-n-steps`` steps; once where
+    both fall on one step), as the core's loop runs it: through ``distrun_run_validation``
     over this group's ranks (every group gets the same figures: their weights are the same),
     then logged and handed to ``distrun_on_validation_end``."""
     if run.val_loader is None:

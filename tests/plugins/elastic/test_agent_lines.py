@@ -41,7 +41,6 @@ def test_the_failure_named_is_not_one_that_torchs_stop_made():
     restarting"), so a usage error was retried. A distrun worker's requeue exit after that
     SIGTERM must not be named either: it would end a run that has restarts left."""
     from distrun.plugin import EXIT_REQUEUE
-
     from distrun_elastic.agent import root_cause
 
     ranks = {0: 0, 1: 1}

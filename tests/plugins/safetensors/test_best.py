@@ -201,11 +201,13 @@ def test_kill_at_every_point_of_a_best_save_leaves_best_loadable(tmp_path, tag):
     pristine = str(tmp_path / "pristine")
     model, opt = build("plain", seed=1)
     train_step(model, opt, 1)
-    Checkpointer(pristine, keep_last=1).save(
+    saver = Checkpointer(pristine, keep_last=1)
+    saver.save(
         1, model, opt, {"progress": {"step": 1}}, reason="best",
         record={"name": "val_loss", "mode": "min", "value": 0.5, "step": 1, "top_k": 1},
         retention=Retention(best="step-1", protect=frozenset({"step-1"}), monitor="val_loss",
                             mode="min"))
+    saver.wait()  # its pruning too: nothing of the save is still changing when it is copied
     loaded = []
     for k in range(1, 60):
         directory = str(tmp_path / f"k{k}")
