@@ -291,7 +291,7 @@ def fit_ft(run: Any) -> Any:
                 run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
             if run.stop_signal is not None or run.stop_requested:
                 run.done = True
-        if run.progress.step >= total:
+        if run.stop_signal is None:  # trained to the end, or stopped early by the task
             _mark(fitted_mark())  # a failure from here on is the script's, not a lost group
     finally:
         manager.shutdown(wait=False)
