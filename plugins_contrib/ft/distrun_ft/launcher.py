@@ -237,13 +237,11 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         shutil.rmtree(barrier, ignore_errors=True)
 
 
-def fitted_mark(group: _Group | None = None) -> str:
-    """The name of the mark a group's rank leaves in the meeting folder once its fit is done
-    (the worker's own group and attempt when ``group`` is None)."""
-    if group is None:
-        return f"fitted-replica{os.environ.get(REPLICA_ENV, '0')}-" \
-               f"attempt{os.environ.get(ATTEMPT_ENV, '0')}"
-    return f"fitted-replica{group.index}-attempt{group.attempt}"
+def mark_name(what: str, replica: int | str, attempt: int | str) -> str:
+    """The file a group's rank leaves in the meeting folder for the launcher: ``joined`` (a
+    restarted group met its peers) or ``fitted`` (its fit is done; a failure after it is the
+    script's, not a lost group), for replica group ``replica``'s start number ``attempt``."""
+    return f"{what}-replica{replica}-attempt{attempt}"
 
 
 def _stop_unjoined(groups: list[_Group], folder: str) -> None:
@@ -252,7 +250,8 @@ def _stop_unjoined(groups: list[_Group], folder: str) -> None:
     for group in groups:
         if group.done or group.out_of_restarts or group.attempt == 0:
             continue
-        if not os.path.exists(os.path.join(folder, f"joined-replica{group.index}-attempt{group.attempt}")):
+        if not os.path.exists(os.path.join(folder, mark_name("joined", group.index,
+                                                             group.attempt))):
             group.kill()
             group.reap()
             group.done = True
@@ -264,6 +263,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                nproc: int, lighthouse: str, run_id: str, stop: _Stop,
                lighthouse_proc: subprocess.Popen | None, barrier: str, address: str) -> int:
     budget = int(FtOptions.of(config).ft_max_restarts)
+    folder = barrier.rpartition(":")[0]  # the meeting folder (the spec ends in ":COUNT")
     stopping_since: float | None = None
     while True:
         if stop.signum is not None:
@@ -297,7 +297,8 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
             group.code = exit_code(code)
             if group.code == 2:  # a usage error, said by the worker in one line: no restart
                 return 2
-            if os.path.exists(os.path.join(barrier.rpartition(":")[0], fitted_mark(group))):
+            if os.path.exists(os.path.join(folder, mark_name("fitted", group.index,
+                                                             group.attempt))):
                 # its training was done: what failed is the script after fit, and a restart
                 # would only fail the same way (the others go on to their own end)
                 group.after_fit = group.out_of_restarts = True
@@ -318,7 +319,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
             _start_group(group, config, command, environ, nproc, lighthouse, len(groups),
                          run_id, barrier=barrier, address=address)
         if any(g.done for g in groups):
-            _stop_unjoined(groups, barrier.rpartition(":")[0])
+            _stop_unjoined(groups, folder)
         if all(g.done or g.out_of_restarts for g in groups):
             scripts = [g.code for g in groups if g.after_fit]
             if scripts:

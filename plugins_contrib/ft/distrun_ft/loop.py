@@ -49,7 +49,7 @@ from distrun_ft.launcher import (
     GROUPS_ENV,
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
-    fitted_mark,
+    mark_name,
 )
 from distrun_ft.options import FtOptions
 from distrun_ft.settings import TORCHFT_PIN, sync_mode, timeouts
@@ -236,7 +236,7 @@ def fit_ft(run: Any) -> Any:
                     time.sleep(0.05)
                     continue
                 replacement = False
-                _mark(f"joined-replica{replica}-attempt{os.environ.get(ATTEMPT_ENV)}")
+                _mark(mark_name("joined", replica, os.environ.get(ATTEMPT_ENV, "0")))
             step = run.progress.step  # after a heal: the peers' step
 
             def samples(at: int) -> tuple[list[int], int]:
@@ -292,7 +292,8 @@ def fit_ft(run: Any) -> Any:
             if run.stop_signal is not None or run.stop_requested:
                 run.done = True
         if run.stop_signal is None:  # trained to the end, or stopped early by the task
-            _mark(fitted_mark())  # a failure from here on is the script's, not a lost group
+            # a failure from here on is the script's, not a lost group
+            _mark(mark_name("fitted", replica, os.environ.get(ATTEMPT_ENV, "0")))
     finally:
         manager.shutdown(wait=False)
         if own_group:
