@@ -576,15 +576,43 @@ def test_launcher_options_after_a_script_are_one_warning_and_stay_the_script_s(t
                      "-r", "3", cwd=work, timeout=60)
     assert result.returncode == 0, result
     assert _lines(result.stderr) == [
-        "warning: --nproc-per-node, --strategy after plain.py go to plain.py, not to distrun "
-        "(put run options before the script: distrun run --nproc-per-node 2 --strategy=ddp "
-        "plain.py)"], result
+        "warning: --nproc-per-node, --strategy after plain.py go to plain.py, which does not "
+        "read them, not to distrun (put run options before the script: distrun run "
+        "--nproc-per-node 2 --strategy=ddp plain.py)"], result
     # torchrun's rule: everything after the script is the script's, unchanged, on one worker
     assert _lines(result.stdout) == [
         "argv ['--nproc-per-node', '2', '--strategy=ddp', '--lr', '1', '-r', '3']"], result
     # options a script may well have of its own (--lr, --seed, -r) are not warned about
     quiet = run_cli("run", "plain.py", "--lr", "1", "--seed", "3", cwd=work, timeout=60)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet
+
+
+# nanoGPT's configurator: `--key=value` overrides the global `key` the script names
+CONFIGURATOR = """import sys
+backend = 'nccl'
+for arg in sys.argv[1:]:
+    key, _, value = arg[2:].partition('=')
+    if key in globals():
+        globals()[key] = value
+print('backend', backend)
+"""
+ARGPARSE = """import argparse
+p = argparse.ArgumentParser()
+p.add_argument('--nproc-per-node', type=int, default=1)
+print('nproc', p.parse_args().nproc_per_node)
+"""
+
+
+@pytest.mark.parametrize(("script", "args", "out"), [
+    (CONFIGURATOR, ["--backend=gloo"], "backend gloo"),
+    (ARGPARSE, ["--nproc-per-node", "3"], "nproc 3"),
+], ids=["configurator", "argparse"])
+def test_a_launcher_option_the_script_reads_itself_is_not_warned_about(tmp_path, script, args,
+                                                                       out):
+    (tmp_path / "own.py").write_text(script)
+    result = run_cli("run", "own.py", *args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result
+    assert _lines(result.stdout) == [out] and result.stderr == "", result
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distrun._launch.lifeline import die_with_parent
-from distrun.testing import run_cli
+from distrun.testing import run_cli, small_disk
 
 TORCHRUN_SCRIPT = """
 import json, os, sys
@@ -100,6 +100,39 @@ def test_tee_prefixes_ranks(tmp_path):
     assert result.returncode == 0, result
     assert "[rank0]: hello from 0" in result.stdout
     assert "[rank1]: hello from 1" in result.stdout
+
+
+CHATTY = """import os, sys
+rank = os.environ["RANK"]
+for i in range(4000):  # ~240 KB a rank, a line at a time: far more than the disk and a pipe hold
+    print(f"rank {rank} line {i:05d} " + "x" * 40)
+    if i % 500 == 0:
+        print(f"rank {rank} err {i}", file=sys.stderr)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_for_the_logs_is_one_warning_and_the_terminal_keeps_everything(tmp_path):
+    """``--log-dir`` on a 64 KiB disk: the relay gives the log files up with one warning (the
+    same for both ranks), never blocks a worker on its pipe, and every line reaches the
+    terminal; the run ends as it would have (before: an ENOSPC traceback per relay thread,
+    then the run failed or hung on full pipes)."""
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        result = run_cli("run", "--nproc-per-node", "2", "--log-dir", str(disk / "logs"),
+                         "chatty.py", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result
+    out = result.stdout.splitlines()
+    for rank in range(2):
+        assert [ln for ln in out if ln.startswith(f"rank {rank} line")] == \
+            [f"rank {rank} line {i:05d} " + "x" * 40 for i in range(4000)]
+        assert f"rank {rank} done" in out
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert sorted(ln for ln in result.stderr.splitlines() if " err " in ln) == sorted(
+        f"rank {r} err {i}" for r in range(2) for i in range(0, 4000, 500))
 
 
 def test_sigterm_reaches_every_worker(tmp_path, busy_cores):

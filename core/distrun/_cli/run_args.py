@@ -38,6 +38,51 @@ def is_task_target(target: str, as_module: bool = False) -> bool:
         and not os.path.isfile(target)
 
 
+def _source_of(target: str, as_module: bool) -> str:
+    """The source text of the script or module ``target`` ("" when it cannot be read without
+    importing anything)."""
+    path: str | None = target
+    if as_module:
+        path = _module_file(target)
+    try:
+        with open(path or "", encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _module_file(name: str) -> str | None:
+    """The file ``python -m name`` would run, found without importing its packages."""
+    from importlib.machinery import PathFinder
+
+    search: list[str] | None = [os.getcwd(), *sys.path[1:]]
+    spec = None
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    if spec is None or spec.origin is None:
+        return None
+    if spec.submodule_search_locations:  # a package: its __main__
+        main = os.path.join(os.path.dirname(spec.origin), "__main__.py")
+        return main if os.path.isfile(main) else None
+    return spec.origin
+
+
+def _reads_flag(source: str, flag: str) -> bool:
+    """Whether a script's source names ``flag`` (``--backend``: ``backend``, ``"--backend"``):
+    an argparse option of its own, or a configurator that reads ``--key=value`` into the
+    variable ``key``. A short flag (``-r``) is always taken to be the script's."""
+    if not flag.startswith("--"):
+        return True
+    if not source:
+        return True  # a module that cannot be read without importing it: not warned about
+    words = re.split(r"[-_]", flag[2:])
+    pattern = r"(?<![\w-])" + r"[-_]".join(map(re.escape, words)) + r"(?![\w])"
+    return re.search(pattern, source) is not None
+
+
 class RunCommand(click.Command):
     """``distrun run``: torchrun's spellings are read here, before click parses.
 
@@ -52,26 +97,33 @@ class RunCommand(click.Command):
     launcher_only: frozenset[str] = frozenset()
 
     def _warn_launcher_options(self, target: str, rest: list[str],
-                               takes_value: dict[str, bool]) -> None:
-        """One warning for launcher-only options after a script: they are the script's."""
+                               takes_value: dict[str, bool], as_module: bool) -> None:
+        """One warning for launcher-only options after a script that the script does not
+        read: they reach neither it nor distrun. One its source names (nanoGPT's
+        ``--backend=gloo``, an argparse flag of its own) is the script's, and not said."""
         given: list[str] = []
+        source: str | None = None
         i = 0
         while i < len(rest) and rest[i] != "--":
             arg = rest[i]
             name = arg.split("=", 1)[0]
             if name in self.launcher_only:
                 has_value = "=" not in arg and takes_value.get(name) and i + 1 < len(rest)
-                given.append(f"{arg} {rest[i + 1]}" if has_value else arg)
+                if source is None:
+                    source = _source_of(target, as_module)
+                if not _reads_flag(source, name):
+                    given.append(f"{arg} {rest[i + 1]}" if has_value else arg)
                 i += 2 if has_value else 1
                 continue
             i += 1
         if not given:
             return
         names = ", ".join(g.split(" ")[0].split("=")[0] for g in given)
-        verb = "goes" if len(given) == 1 else "go"
+        verb, them = ("goes", "it") if len(given) == 1 else ("go", "them")
         sys.stderr.write(
-            f"warning: {names} after {target} {verb} to {target}, not to distrun (put run "
-            f"options before the script: distrun run {' '.join(given)} {target})\n"
+            f"warning: {names} after {target} {verb} to {target}, which does not read {them}, "
+            f"not to distrun (put run options before the script: distrun run "
+            f"{' '.join(given)} {target})\n"
         )
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
@@ -120,7 +172,7 @@ class RunCommand(click.Command):
             if is_task_target(arg, as_module) and rest and rest[0] != "--":
                 out.extend([*rest, arg])
             else:
-                self._warn_launcher_options(arg, rest, takes_value)
+                self._warn_launcher_options(arg, rest, takes_value, as_module)
                 out.extend([arg, *rest])
             return super().parse_args(ctx, out)
         return super().parse_args(ctx, out)

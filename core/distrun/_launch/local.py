@@ -9,6 +9,7 @@ Multi-node static runs rendezvous through torch's env:// TCPStore on ``MASTER_AD
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -186,8 +187,8 @@ class WorkerGroup:
             # The worker asks for SIGKILL at this (main) thread's death (launch.lifeline).
             proc = subprocess.Popen(
                 self.command, env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, bufsize=1, text=True, errors="replace",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # bytes, relayed as they come
+                start_new_session=True, bufsize=0,
                 pass_fds=tuple((pass_fds or {}).get(rank, ())),
             )
             worker = _Worker(rank, proc)
@@ -197,8 +198,8 @@ class WorkerGroup:
                     worker.log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
                 except OSError:
                     worker.log = None
-            pipes = ((cast(IO[str], proc.stdout), sys.stdout),  # both are PIPE: never None
-                     (cast(IO[str], proc.stderr), sys.stderr))
+            pipes = ((cast(IO[bytes], proc.stdout), sys.stdout),  # both are PIPE: never None
+                     (cast(IO[bytes], proc.stderr), sys.stderr))
             worker.threads = [self.relay.pipe(worker, src, dst) for src, dst in pipes]
             self.workers.append(worker)
 
@@ -260,7 +261,7 @@ class WorkerGroup:
             for t in w.threads:
                 t.join(timeout=2.0)
             if w.log is not None:
-                with self.relay.lock:
+                with self.relay.lock, contextlib.suppress(OSError):  # a full disk: said
                     w.log.close()
 
 

@@ -7,13 +7,21 @@ the failure line quotes the rank's last line on stderr, where its error is, what
 two pipes were read in). An ``error: ...`` line (a usage error) that several ranks print is
 said once, and so is a traceback: a Python traceback is printed as one block when complete,
 and the same block from another rank is not printed again (the failure line names the ranks
-that failed the same way). Everything still goes to each rank's log file. Torch-free.
+that failed the same way). Everything still goes to each rank's log file.
+
+A carriage return passes through: a line that redraws itself (tqdm's ``\r``-redraws) is shown
+as it comes, each state as soon as it is written, so a progress bar redraws in place as it
+does under torchrun; every other line goes out whole, so two ranks' lines never mix. A log file that cannot be written (a full disk) is given up with one warning:
+the terminal keeps the output and the workers are never blocked on a pipe. Torch-free.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
+import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -57,10 +65,21 @@ class RankOutput:
 
 #: the line that opens a Python traceback; the block ends at the first line not indented
 _TRACEBACK = "Traceback (most recent call last):"
+_CHUNK = 1 << 16
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)?\d+\]:\s?")
+
+
+def _plain(line: str) -> str:
+    """``line`` without torch's ``[rankN]:`` prefix (its excepthook puts one on each line)."""
+    return _RANK_PREFIX.sub("", line, count=1)
 
 
 class Relay:
-    """Print the lines of many ranks without mixing them; thread-safe."""
+    """Print the output of many ranks without mixing their lines; thread-safe.
+
+    Each (rank, stream) is fed by one thread at a time (:meth:`pipe`, :meth:`follow`, or a
+    launcher's own reader calling :meth:`emit`).
+    """
 
     def __init__(self, tee: bool = False,
                  show: Callable[[int, IO[str]], bool] | None = None) -> None:
@@ -71,37 +90,53 @@ class Relay:
         #: held while a line is written (and while a rank's log file is closed)
         self.lock = threading.Lock()
         self._seen_errors: set[str] = set()
+        #: the open end of the last line, per (rank, stream), and how much of it is shown
+        #: (-1: none yet, but it follows a ``\\r`` and is shown as it comes)
+        self._open: dict[tuple[int, int], tuple[str, int]] = {}
         #: a traceback being read, per (rank, stream); printed as one block when complete
         self._pending: dict[tuple[int, int], list[str]] = {}
-        #: each traceback printed: the block -> the ranks that printed it, first one first
+        #: each traceback printed (its lines without torch's rank prefix) -> the ranks that
+        #: printed it, first one first
         self._tracebacks: dict[tuple[str, ...], list[int]] = {}
         #: the last traceback of each rank
         self._last_traceback: dict[int, tuple[str, ...]] = {}
+        self._log_warned = False
 
-    def emit(self, rank: RankLines, line: str, dst: IO[str]) -> None:
-        """Relay one line (with its newline) of ``rank`` to ``dst``."""
-        rank.tail.append(line.rstrip("\n"))
-        err_tail = getattr(rank, "err_tail", None)
-        if dst is sys.stderr and err_tail is not None:
-            err_tail.append(line.rstrip("\n"))
-        with self.lock:
-            if rank.log is not None and not rank.log.closed:
-                rank.log.write(line)
-                rank.log.flush()
-            if self.show is not None and not self.show(rank.rank, dst):
-                setattr(rank, "hidden", True)  # noqa: B010 - its report repeats its lines
-                return
-            # The same usage error (or warning) from N ranks is said once.
-            if line.startswith(("error: ", "warning: ")):
-                if line in self._seen_errors:
-                    return
-                self._seen_errors.add(line)
-            self._write(rank, self._traceback_lines(rank, line, dst), dst)
+    def emit(self, rank: RankLines, text: str, dst: IO[str]) -> None:
+        """Relay output of ``rank`` bound for ``dst``: a line, several, or any part of one.
+
+        Whole lines go out whole (two ranks' lines never mix). A line that redraws itself
+        (``\\r``: a progress bar) is shown as it comes, each state as soon as it is written.
+        """
+        key = (rank.rank, id(dst))
+        self._log(rank, text)
+        buf, shown = self._open.pop(key, ("", 0))
+        buf += text
+        start = 0
+        for end in _line_ends(buf):
+            self._piece(rank, buf[start:end], dst, shown)
+            start, shown = end, 0
+        rest = buf[start:]
+        if not rest:
+            return
+        if start and buf[start - 1] == "\r" and not shown and key not in self._pending:
+            shown = -1  # a redraw's open state: shown as it comes, from here on
+        if shown:
+            at = max(shown, 0)
+            self._console(rank, rest[at:], dst, line_start=at == 0)
+            shown = len(rest)
+        self._open[key] = (rest, shown)
 
     def flush(self, rank: RankLines, dst: IO[str]) -> None:
-        """Print what is left of a traceback ``rank`` did not finish on ``dst`` (its end)."""
+        """The stream of ``rank`` to ``dst`` ended: print what is left (an unfinished
+        traceback, a last line without its newline)."""
+        key = (rank.rank, id(dst))
+        rest, shown = self._open.pop(key, ("", 0))
+        shown = max(shown, 0)
+        if rest[shown:]:
+            self._console(rank, rest[shown:], dst, line_start=shown == 0)
         with self.lock:
-            self._write(rank, self._pending.pop((rank.rank, id(dst)), []), dst)
+            self._write(rank, self._pending.pop(key, []), dst)
 
     def same_failure(self, rank: int) -> list[int]:
         """The other ranks whose last traceback was the same as ``rank``'s (not printed
@@ -117,6 +152,66 @@ class Relay:
             self._tracebacks.clear()
             self._last_traceback.clear()
 
+    def _log(self, rank: RankLines, text: str) -> None:
+        """Append ``text`` to the rank's log file; one that fails (a full disk) is given up,
+        said once for the run: the console keeps the output."""
+        with self.lock:
+            log = rank.log
+            if log is None or log.closed:
+                return
+            try:
+                log.write(text)
+                log.flush()
+            except (OSError, ValueError) as exc:
+                rank.log = None
+                with contextlib.suppress(OSError, ValueError):
+                    log.close()
+                if not self._log_warned:
+                    self._log_warned = True
+                    why = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno \
+                        else str(exc)
+                    name = getattr(log, "name", "its log file")
+                    sys.stderr.write(f"warning: cannot write {name} ({why}): the workers' "
+                                     "output goes on to the terminal only\n")
+                    sys.stderr.flush()
+
+    def _piece(self, rank: RankLines, piece: str, dst: IO[str], shown: int) -> None:
+        """One ended piece: a line (``\\n``) or a redraw (``\\r``), its first ``shown``
+        characters already on the console."""
+        shown = max(shown, 0)
+        if not piece.endswith("\n"):  # a redraw: straight through, not a line of the tail
+            self._console(rank, piece[shown:], dst, line_start=shown == 0)
+            return
+        text = piece.rstrip("\r\n").rsplit("\r", 1)[-1]  # what the terminal shows of it
+        rank.tail.append(text)
+        err_tail = getattr(rank, "err_tail", None)
+        if dst is sys.stderr and err_tail is not None:
+            err_tail.append(text)
+        if shown:  # its start is shown already: it could not be a held line
+            self._console(rank, piece[shown:], dst, line_start=False)
+            return
+        with self.lock:
+            if self.show is not None and not self.show(rank.rank, dst):
+                setattr(rank, "hidden", True)  # noqa: B010 - its report repeats its lines
+                return
+            # The same usage error (or warning) from N ranks is said once.
+            plain = _plain(piece)
+            if plain.startswith(("error: ", "warning: ")):
+                if plain in self._seen_errors:
+                    return
+                self._seen_errors.add(plain)
+            self._write(rank, self._traceback_lines(rank, piece, dst), dst)
+
+    def _console(self, rank: RankLines, text: str, dst: IO[str], line_start: bool) -> None:
+        if not text:
+            return
+        with self.lock:
+            if self.show is not None and not self.show(rank.rank, dst):
+                setattr(rank, "hidden", True)  # noqa: B010 - its report repeats its lines
+                return
+            dst.write(f"[rank{rank.rank}]: {text}" if self.tee and line_start else text)
+            dst.flush()
+
     def _write(self, rank: RankLines, lines: list[str], dst: IO[str]) -> None:
         if not lines:
             return
@@ -125,19 +220,21 @@ class Relay:
 
     def _traceback_lines(self, rank: RankLines, line: str, dst: IO[str]) -> list[str]:
         """The lines to print now for ``line``: a traceback waits until its last line, then
-        is printed whole, or not at all when another rank printed the same block."""
+        is printed whole, or not at all when another rank printed the same block (torch's
+        ``[rankN]:`` prefixes aside)."""
         key = (rank.rank, id(dst))
         block = self._pending.get(key)
+        plain = _plain(line)
         if block is None:
-            if line.rstrip("\n") != _TRACEBACK:
+            if plain.rstrip("\n") != _TRACEBACK:
                 return [line]
             self._pending[key] = [line]
             return []
         block.append(line)
-        if line[:1] in (" ", "\t"):
+        if plain[:1] in (" ", "\t"):
             return []  # a frame: the block goes on
         del self._pending[key]  # the exception's line ends it
-        text = tuple(block)
+        text = tuple(_plain(ln) for ln in block)
         self._last_traceback[rank.rank] = text
         ranks = self._tracebacks.setdefault(text, [])
         first = not ranks or ranks == [rank.rank]
@@ -145,22 +242,39 @@ class Relay:
             ranks.append(rank.rank)
         return block if first else []
 
-    def pipe(self, rank: RankLines, src: IO[str], dst: IO[str]) -> threading.Thread:
-        """Relay every line of the pipe ``src`` in a daemon thread, until it closes."""
+    def pipe(self, rank: RankLines, src: IO[bytes], dst: IO[str]) -> threading.Thread:
+        """Relay everything the pipe ``src`` (bytes) carries in a daemon thread, as it
+        comes, until it closes. The pipe is always drained: a worker never blocks on it."""
 
         def run() -> None:
-            for line in src:
-                self.emit(rank, line, dst)
-            self.flush(rank, dst)
+            read = getattr(src, "read1", src.read)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            while True:
+                chunk = read(_CHUNK)
+                self._guarded(rank, decoder.decode(chunk, final=not chunk), dst)
+                if not chunk:
+                    break
+            self._guarded(rank, None, dst)
             src.close()
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         return thread
 
+    def _guarded(self, rank: RankLines, text: str | None, dst: IO[str]) -> None:
+        """:meth:`emit` (``None``: :meth:`flush`) for a reader thread, which must go on
+        draining its pipe whatever the console does (a closed terminal, ``| head``)."""
+        try:
+            if text is None:
+                self.flush(rank, dst)
+            elif text:
+                self.emit(rank, text, dst)
+        except Exception:  # noqa: BLE001 - the output is lost; the worker must not block
+            pass
+
     def follow(self, rank: RankLines, path: str, dst: IO[str],
                finished: threading.Event) -> threading.Thread:
-        """Relay the lines a worker writes into the file ``path`` (it may not exist yet).
+        """Relay what a worker writes into the file ``path`` (it may not exist yet).
 
         Runs in a daemon thread until ``finished`` is set; then whatever is left in the file
         is relayed and the thread ends.
@@ -176,24 +290,29 @@ class Relay:
             if finished.is_set():
                 return
             time.sleep(_POLL)
-        with open(path, errors="replace") as fh:
-            pending = ""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        with open(path, "rb") as fh:
             while True:
-                chunk = fh.readline()
+                over = finished.is_set()  # read once more after it is set: the file's end
+                chunk = fh.read(_CHUNK)
                 if chunk:
-                    pending += chunk
-                    if pending.endswith("\n"):
-                        self.emit(rank, pending, dst)
-                        pending = ""
+                    self._guarded(rank, decoder.decode(chunk), dst)
                     continue
-                if finished.is_set():
-                    # Over: whatever came after the last read, then stop.
-                    rest = pending + fh.read()
-                    for line in rest.splitlines():
-                        self.emit(rank, line + "\n", dst)
-                    self.flush(rank, dst)
+                if over:
+                    self._guarded(rank, decoder.decode(b"", final=True), dst)
+                    self._guarded(rank, None, dst)
                     return
                 time.sleep(_POLL)
+
+
+def _line_ends(buf: str) -> list[int]:
+    """Where the ended pieces of ``buf`` end: after each ``\\n``, and after each ``\\r``
+    that is neither the last character (a ``\\n`` may follow) nor followed by ``\\n``."""
+    ends = []
+    for i, ch in enumerate(buf):
+        if ch == "\n" or (ch == "\r" and i + 1 < len(buf) and buf[i + 1] != "\n"):
+            ends.append(i + 1)
+    return ends
 
 
 def report_failure(rank: RankLines, code: int, where: str = "",
@@ -210,7 +329,7 @@ def report_failure(rank: RankLines, code: int, where: str = "",
     """
     lines = [ln for ln in rank.tail if ln.strip()]
     errors = [ln for ln in getattr(rank, "err_tail", ()) if ln.strip()]
-    last_line = (errors or lines or [""])[-1].strip()
+    last_line = _plain((errors or lines or [""])[-1]).strip()
     if last_line.startswith("error: "):
         return
     place = f" ({where})" if where else ""

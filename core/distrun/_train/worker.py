@@ -26,6 +26,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import gc
 import io
@@ -35,7 +36,10 @@ import signal
 import sys
 import threading
 import traceback
-from typing import NoReturn
+import types
+import zipfile
+from importlib.machinery import SourceFileLoader
+from typing import Any, NoReturn
 
 from distrun._launch.lifeline import die_with_launcher
 from distrun._spec.errors import DistrunError
@@ -124,24 +128,58 @@ def finish(code: int) -> NoReturn:
 
 
 def _run_as_main(run: str, name: str) -> None:
-    """Run a script or module as ``__main__``; an uncaught error prints the user's frames."""
+    """Run a script or module as ``__main__``, as ``python PATH`` / ``python -m NAME`` would.
+
+    A script's ``__file__`` is absolute (as Python gives it since 3.9); ``sys.argv[0]`` stays
+    as the user typed it (``runpy.run_path`` would make the two the same). An uncaught error goes to ``sys.excepthook`` (the script's own, or
+    torch's, which prefixes ``[rankN]:``), minus this wrapper's frames, as the interpreter
+    reports it.
+    """
     try:
-        if run == "--script":
+        if run == "--script" and os.path.isfile(name) and not zipfile.is_zipfile(name):
+            _run_file(name)
+        elif run == "--script":  # a folder or zip with a __main__.py
             runpy.run_path(name, run_name="__main__")
         else:
             runpy.run_module(name, run_name="__main__", alter_sys=True)
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException as exc:  # as Python itself reports it, minus this wrapper's frames
+    except BaseException as exc:
         tb = exc.__traceback__
         # by file, not __name__: under `python -m distrun._train.worker` this module's and the
         # user's script's frames are both "__main__"
         while tb is not None and tb.tb_frame.f_code.co_filename in (
                 __file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next
-        traceback.print_exception(type(exc), exc, tb)
-        sys.stderr.flush()
+        _report_uncaught(type(exc), exc.with_traceback(tb), tb)
         raise SystemExit(1) from None
+
+
+def _run_file(name: str) -> None:
+    """Run the file ``name`` as ``python name`` does: ``__main__`` in ``sys.modules`` (so
+    ``pickle`` and spawned children find it), an absolute ``__file__``, ``__spec__`` None."""
+    path = os.path.abspath(name)
+    with io.open_code(path) as fh:
+        code = compile(fh.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__loader__ = SourceFileLoader("__main__", path)
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
+
+
+def _report_uncaught(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """What the interpreter does with an uncaught error: ``sys.excepthook``, and when the
+    hook itself fails, both tracebacks (CPython's "Error in sys.excepthook")."""
+    try:
+        sys.excepthook(kind, exc, tb)
+    except BaseException as hook_exc:  # noqa: BLE001 - reported as the interpreter does
+        print("Error in sys.excepthook:", file=sys.stderr)
+        traceback.print_exception(type(hook_exc), hook_exc, hook_exc.__traceback__)
+        print("\nOriginal exception was:", file=sys.stderr)
+        traceback.print_exception(kind, exc, tb)
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> None:

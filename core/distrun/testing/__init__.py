@@ -3,8 +3,8 @@
 Fixtures: ``distrun_pm`` (a fresh plugin manager, entry points off), ``distrun_cli`` (run the
 ``distrun`` command in a subprocess inside ``tmp_path``), ``distrun_hosts`` (a testbed of
 network-namespace hosts, :mod:`distrun.testing.hosts`; its tests are marked ``multihost``).
-Helpers: :func:`run_on_ranks` (a function on N real gloo ranks with a short timeout) and
-:func:`run_cli`.
+Helpers: :func:`run_on_ranks` (a function on N real gloo ranks with a short timeout),
+:func:`run_cli` and :func:`small_disk` (a real tmpfs of a given size: a full disk, met).
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import pytest
 from distrun._launch.lifeline import die_with, die_with_parent
 from distrun._launch.ports import free_port
 from distrun._launch.reaper import descendants
+from distrun.testing.disks import small_disk
 from distrun.testing.hosts import HostSpec, Testbed, TestbedError, unavailable
 
 __all__ = ["CliResult", "HostSpec", "Testbed", "backend_plugins", "busy_cores", "cpu_backends",
            "descendants", "distrun_cli", "distrun_hosts", "distrun_pm", "free_port", "imports_torch",
-           "only_plugins", "run_cli", "run_on_ranks"]
+           "only_plugins", "run_cli", "run_on_ranks", "small_disk"]
 
 
 
