@@ -7,6 +7,7 @@ same rendering.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -55,8 +56,16 @@ def _config_group(pm: Any) -> click.Group:
             return
         if os.path.exists(output) and not force:
             raise UsageError(f"{output} exists (pass --force to overwrite it, or -o OTHER.toml)")
-        with open(output, "w") as fh:
-            fh.write(text)
+        tmp = f"{output}.tmp{os.getpid()}"
+        try:  # whole or not at all: a half template would load as a different config
+            with open(tmp, "w") as fh:
+                fh.write(text)
+            os.replace(tmp, output)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise UsageError(f"cannot write {output}: {exc.strerror or exc} (choose another "
+                             "-o path, or -o - to print it)") from None
         click.echo(f"wrote {output} ({len(options)} options); use it with "
                    f"`distrun run --config {output} ...`")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -184,6 +185,8 @@ def _worker_command(target: str, args: list[str], as_module: bool) -> list[str]:
 def _default_name(target: str) -> str:
     base = target.rpartition(":")[2] if ":" in target else target
     stem = os.path.splitext(os.path.basename(base))[0] or "run"
+    # the run folder's name: a control character in the script's file name is not carried
+    stem = re.sub(r"[\x00-\x1f\x7f-\x9f]+", "-", stem)
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -232,7 +235,7 @@ def launcher_config(pm: Any, options: Any, target: str, config_file: str | None,
     fill = {}
     if not config.name:
         fill["name"] = _default_name(target)
-    asked = any(k in config.sources for k in ("name", "run_dir"))
+    asked = any(k in config.sources and getattr(config, k) for k in ("name", "run_dir"))
     if not config.run_dir and (asked or is_task_target(target, as_module)):
         fill["run_dir"] = os.path.join("runs", config.name or fill["name"])
     config = with_values(config, **fill) if fill else config

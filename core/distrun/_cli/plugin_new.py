@@ -9,6 +9,7 @@ an option and three hook implementations, a test that runs ``distrun`` through
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from importlib import resources
@@ -33,25 +34,30 @@ def plugin_files(name: str, summary: str = "") -> dict[str, str]:
     if not _NAME.match(name):
         raise UsageError(f"invalid plugin name {name!r} (use lower case letters, digits and "
                          "underscores, starting with a letter, e.g. my_logger)")
-    summary = summary or f"the {name} plugin for distrun"
+    if re.search(r"[\x00-\x1f\x7f-\x9f]", summary):
+        raise UsageError(f"--summary {summary!r} holds a control character (a newline, tab or "
+                         "escape); give one line in printable characters")
+    summary = (summary or f"the {name} plugin for distrun").rstrip(".")
     subs = {"@NAME@": name, "@DIST@": name.replace("_", "-"), "@FLAG@": name.replace("_", "-"),
             "@UPPER@": name.upper(),
-            "@CLASS@": "".join(part.capitalize() for part in name.split("_")),
-            "@SUMMARY@": summary.rstrip(".")}
+            "@CLASS@": "".join(part.capitalize() for part in name.split("_"))}
+    # the summary lands in a TOML string, Python docstrings and Markdown: quoted for each
+    in_toml = json.dumps(summary)[1:-1]  # JSON escapes are valid TOML basic-string escapes
+    in_python = summary.replace("\\", "\\\\").replace('"', '\\"')
 
-    def fill(text: str) -> str:
-        for key, value in subs.items():
+    def fill(text: str, summary: str = in_python) -> str:
+        for key, value in {**subs, "@SUMMARY@": summary}.items():
             text = text.replace(key, value)
         return text
 
     pkg = f"distrun_{name}"
     return {
-        "pyproject.toml": fill(_template("pyproject.toml")),
+        "pyproject.toml": fill(_template("pyproject.toml"), in_toml),
         f"{pkg}/__init__.py": fill(_template("__init__.py")),
         f"{pkg}/plugin.py": fill(_template("plugin.py")),
         f"{pkg}/py.typed": "",
         f"tests/test_{name}.py": fill(_template("test_plugin.py")),
-        "README.md": fill(_template("README.md")),
+        "README.md": fill(_template("README.md"), summary),
         "tox.ini": _template("tox.ini"),
     }
 

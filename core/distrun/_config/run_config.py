@@ -407,6 +407,11 @@ def resume_words(pluginmanager: Any) -> dict[str, str]:
 
 
 def _check(config: RunConfig) -> None:
+    if config.sources.get("name") == "flag" and not config.name:
+        # `--name "$RUN"` with RUN unset. In a file or a variable "" is the default (the
+        # `config init` template writes `name = ""`), on the command line never a name.
+        raise UsageError("--name is empty: give a run name, or leave --name out for the "
+                         "default (the script's name and the start time)")
     words = (*RESUME_WORDS, *resume_words(config.pluginmanager))
     if config.resume not in words and not os.path.exists(config.resume):
         listed = ", ".join(f"'{w}'" for w in words if w != "never")

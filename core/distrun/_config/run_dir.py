@@ -81,11 +81,18 @@ def _used(path: str) -> bool:
     """True when ``path`` exists and is not an empty folder (an earlier run's, or in the way).
 
     ``check_run_dir`` made sure the parent is a folder, so the numbering above ends at the
-    first name that does not exist.
+    first name that does not exist. Any other refusal (a name too long, a parent that cannot
+    be searched) would refuse every next number too: it is a :class:`UsageError`, not "taken".
     """
     try:
         return bool(os.listdir(path))
     except FileNotFoundError:
         return False
-    except OSError:  # a file, or a folder we may not list: taken either way
+    except NotADirectoryError:  # a file in the way
         return True
+    except OSError as exc:
+        if isinstance(exc, PermissionError) and os.path.lexists(path):
+            return True  # a folder we may not list: someone's, so taken
+        shown = path if len(path) <= 80 else f"{path[:40]}...{path[-30:]}"
+        raise UsageError(f"cannot use the run folder {shown}: {exc.strerror or exc} (choose "
+                         "another --run-dir or --name)") from None

@@ -36,6 +36,9 @@ __all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "rende
 
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
+#: set by the launcher for its workers when it could not write ``config.toml`` (and said so):
+#: rank 0 then does not try, and warn, again
+_UNWRITTEN_ENV = "DISTRUN_CONFIG_TOML_UNWRITTEN"
 
 
 def value_sources(config: Any) -> dict[str, str]:
@@ -109,9 +112,12 @@ def distrun_launch(config, command, environ, cluster):
     try:
         if config.node_rank == 0 and config.run_dir:
             made = first_missing(config.run_dir)
-            written = os.path.join(config.run_dir, CONFIG_FILE)
-            before = _read(written)  # a run it continues wrote one
-            write_config(config, written, options)
+            path = os.path.join(config.run_dir, CONFIG_FILE)
+            before = _read(path)  # a run it continues wrote one
+            if _saved(lambda: write_config(config, path, options), path):
+                written = path
+            else:
+                environ[_UNWRITTEN_ENV] = "1"
         result = yield
         started = True
         return result
@@ -180,11 +186,38 @@ def add_code_values(config: Any, path: str) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
+    """``path`` holds ``text`` whole, or is as it was: the temporary goes on any failure."""
     make_folder(os.path.dirname(path) or ".")
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _saved(write: Any, path: str) -> bool:
+    """Run ``write`` (of ``config.toml`` at ``path``); on a system refusal (a full disk, a
+    read-only folder) say one warning and return False.
+
+    ``config.toml`` is a record of the options (for people, and for ``--config``): no process
+    of the run reads it, so a run whose folder cannot take it trains on without it, as it does
+    when its logs and metrics cannot be written.
+    """
+    try:
+        write()
+    except OSError as exc:
+        sys.stderr.write(f"warning: cannot write {path}: {exc.strerror or exc}; the run goes "
+                         "on without this record of its options (free space there, or choose "
+                         "another --run-dir)\n")
+        sys.stderr.flush()
+        return False
+    return True
 
 
 @hookimpl
@@ -194,7 +227,10 @@ def distrun_configure(config):
     if int(os.environ.get("RANK", "0")) != 0 or not config.run_dir:
         return
     path = os.path.join(config.run_dir, CONFIG_FILE)
+    if CONFIG_ENV in os.environ and os.environ.get(_UNWRITTEN_ENV):
+        return  # the launcher could not write it, and said so
     if CONFIG_ENV in os.environ and os.path.exists(path):
-        add_code_values(config, path)  # launched: the launcher wrote it; add values from code
+        # launched: the launcher wrote it; add values from code
+        _saved(lambda: add_code_values(config, path), path)
     else:  # `python train.py`, or a script the launcher gave no folder: a Task wants one
-        write_config(config, path)
+        _saved(lambda: write_config(config, path), path)

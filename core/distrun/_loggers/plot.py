@@ -6,6 +6,9 @@ the same image to their runs with :func:`plot_run`. matplotlib is imported only 
 
 from __future__ import annotations
 
+import codecs
+import csv
+import io
 import logging
 import os
 import shutil
@@ -14,7 +17,7 @@ from typing import Any
 
 from distrun._spec.errors import DistrunError, UsageError
 
-__all__ = ["plot_metrics", "plot_run"]
+__all__ = ["plot_metrics", "plot_run", "read_rows"]
 
 log = logging.getLogger("distrun")
 
@@ -30,13 +33,54 @@ def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[f
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def read_rows(metrics_csv: str) -> list[dict[str, float]]:
+    """The rows of ``metrics_csv`` as dicts of floats (empty cells left out); a file that is
+    not such a table (binary bytes, a word in a cell, a row wider than the header) is a
+    :class:`UsageError` naming the file and its line."""
+    fix = "restore the file, or delete or correct that line"
+    try:
+        with open(metrics_csv, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {metrics_csv}: {exc.strerror} (check the path and its "
+                         "permissions)") from None
+    data = data.removeprefix(codecs.BOM_UTF8)  # a spreadsheet may add one
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise UsageError(f"{metrics_csv} line {line} is not text (byte "
+                         f"0x{data[exc.start]:02x}): not a metrics.csv, or damaged; "
+                         f"{fix}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = []
+    try:
+        for row in reader:
+            out = {}
+            for key, cell in row.items():
+                if key is None:  # the cells past the header's last column
+                    raise UsageError(f"{metrics_csv} line {reader.line_num} has more cells "
+                                     f"than its header has columns; {fix}")
+                if cell in ("", None):
+                    continue
+                try:
+                    out[key] = float(cell)
+                except ValueError:
+                    raise UsageError(f"{metrics_csv} line {reader.line_num}, column {key!r}: "
+                                     f"{cell[:40]!r} is not a number; {fix}") from None
+            rows.append(out)
+    except csv.Error as exc:
+        raise UsageError(f"{metrics_csv} line {reader.line_num} is not CSV ({exc}); "
+                         f"{fix}") from None
+    return rows
+
+
 def plot_metrics(metrics_csv: str, output: str, title: str | None = None) -> list[str]:
     """Render the curves of ``metrics_csv`` into ``output`` (PNG, SVG, PDF by extension).
 
     :return: the metric names that were drawn.
     """
-    from distrun._loggers.csv_file import read_metrics
-
+    rows = read_rows(metrics_csv)
     try:
         import matplotlib
 
@@ -44,7 +88,6 @@ def plot_metrics(metrics_csv: str, output: str, title: str | None = None) -> lis
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("distrun plot needs matplotlib: pip install matplotlib") from None
-    rows = read_metrics(metrics_csv)
     panels = [p for p in _PANELS if any(k in r for r in rows for k in (*p[2], p[3] or ""))]
     if not panels:
         raise UsageError(f"{metrics_csv} has no loss, lr or samples_per_sec values to plot "
@@ -67,9 +110,16 @@ def plot_metrics(metrics_csv: str, output: str, title: str | None = None) -> lis
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        fig.savefig(output, dpi=100)
+    except OSError as exc:
+        if os.path.isfile(output):  # no half-drawn image is left behind
+            os.unlink(output)
+        raise UsageError(f"cannot write {output}: {exc.strerror} (choose another -o "
+                         "path)") from None
+    finally:
+        plt.close(fig)
     return drawn
 
 

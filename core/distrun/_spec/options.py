@@ -9,6 +9,8 @@ once and the type checker sees every read.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -168,6 +170,10 @@ def _option_type(annotation: Any) -> type | None:
     return annotation if annotation in _TYPES.values() else None
 
 
+#: C0 and C1 control characters and DEL: no option value needs one, and in a folder name, a
+#: log line or a job script a newline or an escape forges lines or hides the rest
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -176,11 +182,15 @@ def coerce(option: Option, value: Any, source: str) -> Any:
     """Convert ``value`` (a string from a flag/env or a TOML value) and validate it.
 
     ``source`` names where the value came from (``--flag``, ``DISTRUN_X``, ``run.toml``) so the
-    error can point at it.
+    error can point at it. Every option, core or plugin, passes here: a string holding a
+    control character and a float that is not finite (nan, inf) are refused for all of them.
     """
     if value is None:
         return None
     where = f"{option.flag}" if source == "flag" else f"'{option.name}' in {source}"
+    if isinstance(value, str) and _CONTROL.search(value):
+        raise UsageError(f"invalid value for {where}: {value!r} holds a control character (a "
+                         "newline, tab or escape); give it on one line in printable characters")
     try:
         if option.parse is not None and isinstance(value, (str, int, float)) \
                 and not isinstance(value, bool):
@@ -211,6 +221,13 @@ def coerce(option: Option, value: Any, source: str) -> Any:
             f"invalid value for {where}: {value!r} is not {kind}{detail}; "
             f"example: {option.flag} {option.default if option.default is not None else 1}"
         ) from None
+    if isinstance(out, float) and not math.isfinite(out):
+        # nan passes every comparison with min and max, inf every minimum: each float option
+        # (its own parser's too) is checked here, so no derived timeout reads "nans"
+        raise UsageError(
+            f"invalid value for {where}: {value!r} is not a finite number; give a plain "
+            f"number, e.g. {option.flag} {option.default if option.default is not None else 1}"
+        )
     if option.choices is not None and out not in option.choices:
         from distrun._spec.errors import suggest
 

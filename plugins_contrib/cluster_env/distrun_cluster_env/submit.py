@@ -10,11 +10,9 @@ import subprocess
 import click
 
 from distrun.plugin import UsageError
-from distrun_cluster_env.templates import JobSpec, render_pytorchjob, render_sbatch
+from distrun_cluster_env.templates import JobSpec, check_spec, render_pytorchjob, render_sbatch
 
 __all__ = ["submit_cmd"]
-
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def _default_name(run_args: tuple[str, ...]) -> str:
@@ -41,14 +39,14 @@ def _default_name(run_args: tuple[str, ...]) -> str:
               help="SLURM: one srun task per rank (each runs in place) instead of one per node")
 @click.option("--image", default="", help="Kubernetes: container image with distrun installed")
 @click.option("--namespace", default="", help="Kubernetes namespace")
-@click.option("--job-name", default="", help="job and run name (default: the script's name)")
+@click.option("--job-name", default=None, help="job and run name (default: the script's name)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="write the job file here instead of submitting it")
 @click.option("--dry-run", is_flag=True, help="print the job file, submit nothing")
 @click.argument("run_args", nargs=-1, type=click.UNPROCESSED, required=True)
 def submit_cmd(kind: str | None, nodes: int, nproc_per_node: int, gpus_per_node: int,
                cpus_per_node: int, memory: str, time_limit: str, partition: str, account: str,
-               per_task: bool, image: str, namespace: str, job_name: str, output: str | None,
+               per_task: bool, image: str, namespace: str, job_name: str | None, output: str | None,
                dry_run: bool, run_args: tuple[str, ...]) -> None:
     """Submit `distrun run RUN_ARGS` to SLURM or Kubernetes (give run options after `--`).
 
@@ -57,23 +55,20 @@ def submit_cmd(kind: str | None, nodes: int, nproc_per_node: int, gpus_per_node:
     """
     if kind is None:
         raise UsageError("say where to submit: --slurm or --k8s")
-    name = job_name or _default_name(run_args)
-    if kind == "k8s" and not _NAME.match(name):
-        raise UsageError(f"--job-name {name!r} is not a Kubernetes name (lowercase letters, "
-                         "digits and '-')")
+    name = _default_name(run_args) if job_name is None else job_name
     if per_task and kind != "slurm":
         raise UsageError("--per-task is for --slurm (a PyTorchJob runs one launcher per pod)")
     spec = JobSpec(name=name, run_args=run_args, nodes=nodes, nproc_per_node=nproc_per_node,
                    gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node, time=time_limit,
                    partition=partition, account=account, per_task=per_task, image=image,
                    namespace=namespace, memory=memory)
+    check_spec(spec, kind)
     text = render_sbatch(spec) if kind == "slurm" else render_pytorchjob(spec)
     if dry_run:
         click.echo(text, nl=False)
         return
     if output:
-        with open(output, "w") as fh:
-            fh.write(text)
+        _write_job_file(output, text)
         click.echo(f"wrote {output}", err=True)
         return
     tool = ["sbatch"] if kind == "slurm" else ["kubectl", "apply", "-f", "-"]
@@ -83,3 +78,19 @@ def submit_cmd(kind: str | None, nodes: int, nproc_per_node: int, gpus_per_node:
     proc = subprocess.run(tool, input=text, text=True)
     if proc.returncode != 0:
         raise UsageError(f"{' '.join(tool)} failed with exit code {proc.returncode}")
+
+
+def _write_job_file(path: str, text: str) -> None:
+    """Write the job file whole or not at all: a half-written script must never be submitted."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise UsageError(f"cannot write the job file {path}: {exc.strerror} (choose another "
+                         "-o path, or use --dry-run to print it)") from None
