@@ -10,14 +10,12 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import tomllib
 
-from distrun.testing import run_cli
+from distrun.testing import run_cli, small_disk
 
 SCRIPT = 'import os\nprint("trained", os.environ["RANK"])\n'
 TASK = """
@@ -173,19 +171,23 @@ def test_a_default_run_name_drops_control_characters_of_the_script_name(tmp_path
 @pytest.fixture
 def full_disk(tmp_path: Path):
     """A 64 KiB tmpfs with one page free: a lock record fits, config.toml does not."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        (mnt / "filler").write_bytes(b"\0" * (60 * 1024))
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with small_disk(tmp_path / "disk", "64k", fill=60 * 1024) as disk:
+        yield disk
+
+
+def test_a_disk_too_full_for_the_run_folder_s_lock_is_one_line(tmp_path):
+    """Not a page free: the lock record cannot be written, and the other processes of the
+    run could not tell the lock is theirs, so the run does not start (one line, exit 2)."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    with small_disk(tmp_path / "disk", "64k", fill=64 * 1024) as disk:
+        result = run_cli("run", "--run-dir", str(disk / "run"), "script.py", cwd=tmp_path,
+                         timeout=60)
+        assert result.returncode == 2, result
+        assert result.stderr.splitlines() == [
+            f"error: cannot lock the run folder {disk / 'run'}: No space left on device "
+            f"writing {disk / 'run' / '.distrun-lock'} (free space there, or give this run "
+            "another --name or --run-dir)"], result
+        assert result.stdout == ""
 
 
 def test_config_toml_on_a_full_disk_is_one_warning_and_the_run_goes_on(tmp_path, full_disk):

@@ -24,6 +24,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -225,8 +226,17 @@ def lock_folder(folder: str, key: str, label: str = "the run folder",
         os.close(fd)  # an abandoned run removed the file we locked: lock the one there now
     record = {"run": key, "pid": os.getpid(), "host": socket.gethostname(),
               "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as exc:
+        # the record is how the run's other processes know the lock is theirs: without it
+        # they would be refused, so the run does not start (nothing of it is lost yet)
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise UsageError(f"cannot lock {label} {folder}: {exc.strerror} writing {path} (free "
+                         f"space there, or {hint})") from None
     return FolderLock(folder, fd, made)
 
 
