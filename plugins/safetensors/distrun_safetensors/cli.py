@@ -17,7 +17,7 @@ import click
 
 from distrun_safetensors.errors import CheckpointError, NewerFormatError
 from distrun_safetensors.files import DTYPE_SIZES
-from distrun_safetensors.leftovers import find_leftovers
+from distrun_safetensors.leftovers import find_leftovers, find_trash, remove_trash
 from distrun_safetensors.leftovers import remove as remove_leftover
 from distrun_safetensors.manifest import (
     BEST,
@@ -37,6 +37,8 @@ from distrun_safetensors.manifest import (
 from distrun_safetensors.validation import validate
 
 __all__ = ["ckpt"]
+
+_TRASH_WHY = "a pruned checkpoint whose removal was cut short (never read)"
 
 
 def _human(n: float) -> str:
@@ -123,13 +125,19 @@ def ckpt() -> None:
 @ckpt.command("inspect")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def inspect_cmd(path: str, as_json: bool) -> None:
-    """Step, layout and every tensor (dtype, shape, size, pieces) of a checkpoint."""
-    c = validate(_folder(path), verify=False)
+@click.option("--verify", is_flag=True,
+              help="also check every file's checksum (reads every byte, as `ckpt verify`)")
+def inspect_cmd(path: str, as_json: bool, verify: bool) -> None:
+    """Step, layout and every tensor (dtype, shape, size, pieces) of a checkpoint.
+
+    Reads the metadata only (manifest, indexes, headers, sizes, state files) unless
+    ``--verify``: flipped bytes in tensor data are found by ``distrun ckpt verify``.
+    """
+    c = validate(_folder(path), verify=verify)
     m = c.manifest
     if as_json:
-        click.echo(json.dumps({"folder": c.folder, "manifest": m, "model": c.model,
-                               "optimizer": c.optim}, indent=1))
+        click.echo(json.dumps({"folder": c.folder, "checksums_verified": verify, "manifest": m,
+                               "model": c.model, "optimizer": c.optim}, indent=1))
         return
     when = _when(m)
     total = sum(f["size"] for f in m["files"].values())
@@ -138,7 +146,9 @@ def inspect_cmd(path: str, as_json: bool) -> None:
                f"{m.get('generation', 0)} (rendezvous round {m.get('rdzv_generation', 0)})")
     click.echo(f"  saved by {m['world_size']} rank(s), strategy {m.get('strategy')}, "
                f"meshes {m.get('meshes') or 'none'}")
-    click.echo(f"  {len(m['files'])} files, {_human(total)}")
+    checked = ("checksums verified" if verify else
+               f"metadata checked, data not verified: run `distrun ckpt verify {path}`")
+    click.echo(f"  {len(m['files'])} files, {_human(total)}; {checked}")
     record = monitor_record(m)
     if record is not None:
         click.echo(f"  monitored {record['name']}={record['value']:.6g} ({record['mode']}, "
@@ -249,8 +259,14 @@ def ls_cmd(directory: str, timeout: float) -> None:
     for left in leftovers:
         state = "ABANDONED" if left.abandoned else "in progress"
         click.echo(f"  {os.path.basename(left.path):<16} step {left.step}  {state}: {left.why}")
-    if any(left.abandoned for left in leftovers):
-        click.echo(f"(`distrun ckpt clean {directory}` removes the abandoned saves)")
+    trash = find_trash(directory) if only is None else []
+    for path in trash:
+        click.echo(f"  {os.path.basename(path):<16} {_TRASH_WHY}")
+    abandoned = any(left.abandoned for left in leftovers)
+    if abandoned or trash:
+        what = " and ".join(w for w, found in (("the abandoned saves", abandoned),
+                                               ("the unfinished removals", trash)) if found)
+        click.echo(f"(`distrun ckpt clean {directory}` removes {what})")
     if best_problem and only is None:
         click.echo(f"warning: {best_problem}", err=True)
     elif best and not os.path.isdir(best) and only is None:
@@ -267,11 +283,21 @@ def ls_cmd(directory: str, timeout: float) -> None:
 @click.option("--dry-run", is_flag=True, help="say what would be removed, remove nothing")
 def clean_cmd(directory: str, timeout: float, dry_run: bool) -> None:
     """Remove the saves that never committed and whose writer is gone (``.tmp-step-N-*``
-    folders and their locks); saves still being written are left alone. Checkpoints are
-    never touched."""
+    folders and their locks) and the checkpoints whose removal a kill cut short
+    (``.pruned-*``); saves still being written are left alone. Checkpoints are never
+    touched."""
     directory = _checkpoints(directory)
     leftovers = find_leftovers(directory, timeout)
+    trash = find_trash(directory)
     removed = kept = 0
+    for path in trash:  # never read by anyone: finishing the removal is always safe
+        name = os.path.basename(path)
+        if dry_run:
+            click.echo(f"would remove {name}: {_TRASH_WHY}")
+        elif remove_trash(path):
+            click.echo(f"removed {name}: {_TRASH_WHY}")
+        else:
+            click.echo(f"kept {name}: it could not be removed")
     for left in leftovers:
         name = os.path.basename(left.path)
         if not left.abandoned:
@@ -287,8 +313,9 @@ def clean_cmd(directory: str, timeout: float, dry_run: bool) -> None:
             kept += 1
             click.echo(f"kept {name}: its writer came back or it could not be removed")
     verb = "would remove" if dry_run else "removed"
+    removals = f", {verb} {len(trash)} unfinished removal(s)" if trash else ""
     click.echo(f"{directory}: {verb} {removed} abandoned save(s), kept {kept} in progress"
-               if leftovers else f"{directory}: nothing to clean")
+               f"{removals}" if leftovers or trash else f"{directory}: nothing to clean")
 
 
 def _best_ranks(folders: list[str]) -> dict[str, str]:

@@ -10,8 +10,8 @@ Torch-free.
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import time
 import uuid
 from typing import Any
@@ -26,6 +26,7 @@ from distrun_safetensors.files import (
     fsync_dir,
     write_json,
 )
+from distrun_safetensors.leftovers import discard
 from distrun_safetensors.manifest import (
     FORMAT,
     GENERATION,
@@ -42,6 +43,8 @@ from distrun_safetensors.retention import Retention, add_record, point_best, rep
 from distrun_safetensors.validation import check_tensor
 
 __all__ = ["commit", "tag", "write_record"]
+
+log = logging.getLogger("distrun")
 
 #: times a commit takes the lock again after losing it (only to a holder frozen past its age)
 _ATTEMPTS = 3
@@ -96,7 +99,7 @@ def commit(directory: str, step: int, tmp: str, final: str, generation: int,
             except LockLost:
                 continue
         if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+            discard(aside)  # a fallback for readers until it goes: never half-deleted
         return
     raise CheckpointError(f"the commit lock of {directory} was taken from this process "
                           f"{_ATTEMPTS} times (frozen for longer than {stale_after:g} s each "
@@ -130,9 +133,21 @@ def _publish(directory: str, lock: CommitLock, generation: int, step: int, tmp: 
             os.rename(aside, final)
         fsync_dir(directory)
         raise
-    replace_pointer(directory, LATEST, os.path.basename(final))
+    try:
+        replace_pointer(directory, LATEST, os.path.basename(final))
+    except OSError:  # no room for the new pointer: put the folder back, as before the save
+        os.rename(final, tmp)
+        if aside is not None:
+            os.rename(aside, final)
+        fsync_dir(directory)
+        raise
     if retention is not None:
-        point_best(directory, retention)
+        try:
+            point_best(directory, retention)
+        except OSError as exc:  # the save is committed (latest names it): not a failed save
+            log.warning("checkpoint: %s is committed but best could not be moved to %s (%s); "
+                        "it moves at the next save that has room", final, retention.best,
+                        exc.strerror or exc)
     return aside
 
 

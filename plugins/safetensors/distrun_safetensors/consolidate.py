@@ -51,6 +51,19 @@ def consolidate(folder: str, out: str, max_shard_bytes: int) -> dict[str, Any]:
         shards[-1].append(name)
         size += nbytes
     tmp = os.path.normpath(out) + ".partial"
+    try:
+        index = _write(ckpt, shards, tmp, out)
+    except OSError as exc:  # a read-only or full disk, a path under a file: the user's to fix
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}{where}; choose an "
+                              "output folder on a disk you can write to, with room for the "
+                              "model") from None
+    return index
+
+
+def _write(ckpt: Any, shards: list[list[str]], tmp: str, out: str) -> dict[str, Any]:
+    """Write the shards and the index into ``tmp``, then rename it to ``out``."""
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     weight_map: dict[str, str] = {}

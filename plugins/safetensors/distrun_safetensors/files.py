@@ -64,10 +64,15 @@ def fsync_dir(path: str) -> None:
 def write_json(path: str, obj: Any) -> dict[str, Any]:
     """Write ``obj`` as JSON and fsync it; return its ``{"size", <checksum name>}`` report."""
     data = json.dumps(obj, indent=1, sort_keys=False).encode()
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:  # a full disk: name the file (a failed write does not)
+        if exc.filename or not exc.strerror:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from exc
     durable(path)
     return {"size": len(data), DEFAULT: checksum(data)}
 

@@ -14,6 +14,11 @@ dies. So a leftover is abandoned when
   timeout without them failing).
 
 A lock file without a record (written by an earlier version) counts as this host's.
+
+A checkpoint folder that is removed (pruned, or a committed copy a new save of its step
+replaced) is first renamed to ``.pruned-<name>-<id>`` (:func:`discard`): a removal cut short
+by a kill leaves that name, which no reader takes for a checkpoint, never a half-deleted
+``step-N``. Such trash is removed with the leftovers (:func:`sweep_stale`, ``ckpt clean``).
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ import re
 import shutil
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LOCK_SUFFIX", "TMP_PREFIX", "Leftover", "claim", "find_leftovers", "remove",
-           "sweep_stale"]
+__all__ = ["LOCK_SUFFIX", "TMP_PREFIX", "TRASH_PREFIX", "Leftover", "claim", "discard",
+           "find_leftovers", "find_trash", "remove", "sweep_stale"]
 
 #: next to each temporary folder: a file its writer holds an exclusive flock on
 LOCK_SUFFIX = ".lock"
 TMP_PREFIX = ".tmp-step-"
+#: a checkpoint folder being removed (see :func:`discard`): never read, removed by the sweeps
+TRASH_PREFIX = ".pruned-"
 _STEP = re.compile(r"^\.tmp-step-(\d+)-")
 HOST = socket.gethostname()
 
@@ -58,8 +66,12 @@ def claim(tmp: str) -> int:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": HOST, "pid": os.getpid(),
                                  "started": time.time()}).encode())
-    except BaseException:
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # its name is this save's own: nobody else's lock
+            os.unlink(tmp + LOCK_SUFFIX)
         os.close(fd)
+        if isinstance(exc, OSError) and not exc.filename and exc.strerror:
+            raise OSError(exc.errno, exc.strerror, tmp + LOCK_SUFFIX) from exc
         raise
     return fd
 
@@ -169,10 +181,55 @@ def remove(path: str) -> bool:
         os.close(fd)
 
 
+def discard(path: str) -> None:
+    """Remove the checkpoint folder ``path`` so that a kill at any moment leaves either the
+    whole folder or a trash name: rename it to ``.pruned-<name>-<id>`` (atomic), sync the
+    parent, then delete it. A link is removed, never followed."""
+    directory, name = os.path.split(os.path.normpath(path))
+    trash = os.path.join(directory, f"{TRASH_PREFIX}{name.lstrip('.')}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    _sync(directory)  # the rename is on disk before the first file of the folder goes
+    _delete(trash)
+
+
+def _sync(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _delete(path: str) -> None:
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def find_trash(directory: str) -> list[str]:
+    """The ``.pruned-*`` entries of ``directory``: removals a kill cut short."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names if n.startswith(TRASH_PREFIX))
+
+
+def remove_trash(path: str) -> bool:
+    """Finish the removal of a ``.pruned-*`` entry; True when it is gone."""
+    _delete(path)
+    return not os.path.lexists(path)
+
+
 def sweep_stale(directory: str, timeout: float | None = None) -> list[str]:
-    """Remove the abandoned leftovers of ``directory`` (see :func:`find_leftovers`); return the
-    temporary folders removed. Safe when several runs share the folder: a leftover whose lock
-    is held is left alone."""
+    """Remove the abandoned leftovers of ``directory`` (see :func:`find_leftovers`) and the
+    trash of removals cut short (:func:`find_trash`); return the folders removed. Safe when
+    several runs share the folder: a leftover whose lock is held is left alone."""
     from distrun_safetensors.fence import clear_dead_lock
 
     clear_dead_lock(directory)  # a commit killed while it held the folder's commit lock
@@ -183,4 +240,7 @@ def sweep_stale(directory: str, timeout: float | None = None) -> list[str]:
         existed = os.path.lexists(leftover.path)
         if remove(leftover.path) and existed:
             removed.append(leftover.path)
+    for trash in find_trash(directory):  # never read by anyone: no lock needed
+        if remove_trash(trash):
+            removed.append(trash)
     return removed

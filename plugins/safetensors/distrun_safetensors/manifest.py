@@ -38,6 +38,8 @@ TENSORS = "tensors"
 GENERATION = "generation"
 #: ... and the rendezvous round it ran in (``run.generation``: 0 outside the elastic agent)
 RDZV_GENERATION = "rdzv_generation"
+#: the key of the run that committed a checkpoint (optional; see FORMAT.md)
+RUN = "run"
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
 #: leaves it as the newest valid one; the next commit removes it)
@@ -141,6 +143,7 @@ def read_manifest(folder: str) -> dict[str, Any]:
     check_version(path, manifest.get("version"))
     files = manifest.get("files")
     ok = (isinstance(files, dict) and isinstance(manifest.get("step"), int)
+          and not isinstance(manifest["step"], bool) and manifest["step"] >= 0
           and isinstance(manifest.get("world_size"), int) and manifest["world_size"] >= 1
           and all(isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values()))
     if not ok:

@@ -8,7 +8,7 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl
 from distrun_safetensors.options import CheckpointOptions
-from distrun_safetensors.session import _KEY, _checkpointer, _opts, ckpt_dir
+from distrun_safetensors.session import _KEY, _checkpointer, _opts, ckpt_dir, run_key
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
 
@@ -18,6 +18,9 @@ _BEST: StashKey[Any] = StashKey("safetensors.best")  # best.Best, with --ckpt-mo
 #: the nodes' view of the checkpoint folder, once checked: "" shared (or one node), else the
 #: one line a save or a resume fails with
 _UNSHARED: StashKey[str] = StashKey("safetensors.unshared")
+#: whether the checkpoint folder holds another run's checkpoints this run does not continue:
+#: "" no, else the one line a save fails with
+_FOREIGN: StashKey[str] = StashKey("safetensors.foreign")
 
 
 @hookimpl
@@ -57,6 +60,59 @@ def _check_storage(run: Any) -> None:
         raise UsageError(unshared)
 
 
+def _check_owner(run: Any) -> None:
+    """Refuse to write into a folder holding another run's checkpoints unless this run
+    continues them (resumed from one of them); once per run, rank 0 reads the manifests.
+
+    Refused at the start when the run is set to save (the end save by default included: it
+    would replace ``latest`` and prune theirs), otherwise at its first save.
+    """
+    line = run.stash.get(_FOREIGN)
+    if line is None:
+        from distrun_safetensors import comm
+
+        line = comm.broadcast(_foreign_line(run) if run.is_global_zero else None) or ""
+        run.stash[_FOREIGN] = line
+        cfg = _opts(run)
+        wants = not run.config.fast_dev_run and bool(
+            cfg.ckpt_every_n_steps or cfg.ckpt_every_n_seconds or cfg.ckpt_monitor
+            or cfg.ckpt_save_on_end)
+        if line and wants:
+            from distrun.plugin import UsageError
+
+            raise UsageError(line)
+    elif line:
+        from distrun.plugin import UsageError
+
+        raise UsageError(line)
+
+
+def _foreign_line(run: Any) -> str | None:
+    """The line refusing this run the checkpoint folder, or None when it may write there."""
+    directory = ckpt_dir(run)
+    if run.resumed_from:
+        if os.path.realpath(os.path.dirname(os.path.abspath(run.resumed_from))) \
+                == os.path.realpath(directory):
+            return None  # it continues them: they are this run's now
+        why = f"this run resumed from {run.resumed_from}, which is not in it"
+    elif run.config.resume != "never":
+        return None  # resume auto found nothing to continue: no committed checkpoint there
+    else:
+        why = "this run starts fresh (no --resume)"
+    from distrun_safetensors.retention import other_runs
+
+    found = other_runs(directory, run_key())
+    if not found:
+        return None
+    names = ", ".join(os.path.basename(f) for f in found[:3])
+    if len(found) > 3:
+        names += f" and {len(found) - 3} more"
+    return (f"the checkpoint folder {directory} holds checkpoints of another run ({names}) and "
+            f"{why}: its saves would replace their latest and prune them; run with --resume "
+            f"auto to continue that run, give this run another --ckpt-dir, or remove "
+            f"{directory}")
+
+
 def _end_save_by_default(run: Any) -> bool:
     """The save at the end is on only because it is the default (no flag, key or variable
     asked for it)."""
@@ -79,11 +135,14 @@ def distrun_save_checkpoint(run, reason):
     if run.model is None:  # a rank that serves others (RPC parameter server) holds no model
         return None
     _check_storage(run)
+    _check_owner(run)
     saver = _checkpointer(run)
     if reason == "preempt":
         saver.async_save = False  # the process exits right after: write it now
+    from distrun_safetensors.manifest import RUN
+
     info = {"strategy": getattr(run.strategy, "name", None),
-            "progress": run.progress.state_dict()}
+            "progress": run.progress.state_dict(), RUN: run_key()}
     if run.is_global_zero and saver.on_written is None:
         saver.on_written = lambda stats: run.log.info(
             "Checkpoint %s written in the background in %.2f s", stats["path"],
@@ -143,13 +202,17 @@ def distrun_load_checkpoint(run, source):
 def distrun_on_fit_start(run):
     run.stash[_LAST_SAVE] = time.monotonic()
     _check_storage(run)
+    _check_owner(run)  # before anything in the folder is touched (the sweep below)
     if _opts(run).init_weights and run.model is not None:
         _init_weights(run)
     if run.is_global_zero:  # the run's owner: leftovers of a save killed in an earlier start
-        from distrun_safetensors.leftovers import sweep_stale
+        from distrun_safetensors.leftovers import TRASH_PREFIX, sweep_stale
 
         for path in sweep_stale(ckpt_dir(run), timeout=run.config.timeout):
-            run.log.info("Removed %s, left by a save that did not finish", path)
+            what = ("a pruned checkpoint whose removal was cut short"
+                    if os.path.basename(path).startswith(TRASH_PREFIX)
+                    else "left by a save that did not finish")
+            run.log.info("Removed %s, %s", path, what)
     opts = _opts(run)
     if run.config.fast_dev_run:
         return  # a smoke test saves nothing

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from distrun_safetensors.fence import STALE_AFTER, CommitLock
 from distrun_safetensors.files import durable, fsync_dir, member, write_json
-from distrun_safetensors.leftovers import sweep_stale
+from distrun_safetensors.leftovers import discard, sweep_stale
 from distrun_safetensors.manifest import (
     BEST,
     MANIFEST,
     MONITOR,
+    RUN,
     monitor_record,
     read_json,
     read_manifest_quietly,
@@ -36,7 +36,7 @@ CALLBACK_REASON = "callback"
 #: the temporary names a commit, a tag or a draw of the generation writes beside the folders
 _TEMPORARIES = (".old-step-", ".latest-", f".{BEST}-", ".manifest-", f"{GENERATION_FILE}-")
 
-__all__ = ["Retention", "add_record", "point_best", "prune", "replace_pointer"]
+__all__ = ["Retention", "add_record", "other_runs", "point_best", "prune", "replace_pointer"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,17 @@ class Retention:
 def replace_pointer(directory: str, name: str, target: str) -> None:
     """Atomically make the pointer file ``name`` (``latest``, ``best``) say ``target``."""
     pointer = os.path.join(directory, f".{name}-{uuid.uuid4().hex[:8]}")
-    with open(pointer, "w") as fh:
-        fh.write(target + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(pointer, "w") as fh:
+            fh.write(target + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:  # a full disk: the pointer stays as it was, no half-written copy
+        with contextlib.suppress(OSError):
+            os.unlink(pointer)
+        if exc.filename or not exc.strerror:
+            raise
+        raise OSError(exc.errno, exc.strerror, pointer) from exc
     durable(f"{name} written")
     os.replace(pointer, os.path.join(directory, name))
     fsync_dir(directory)
@@ -97,6 +104,18 @@ def add_record(directory: str, folder: str, record: dict[str, Any]) -> None:
     durable("manifest replaced")
 
 
+def other_runs(directory: str, key: str) -> list[str]:
+    """The committed checkpoints of ``directory`` (newest first) that the run ``key`` did not
+    write: another run's, or one written before manifests named their run."""
+    out = []
+    for folder in step_folders(directory):
+        if os.path.basename(folder).startswith("."):
+            continue  # a copy moved aside: its step-N says whose it is
+        if (read_manifest_quietly(folder) or {}).get(RUN) != key:
+            out.append(folder)
+    return out
+
+
 def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None,
           held: frozenset[str] = frozenset(), released: frozenset[str] = frozenset(),
           stale_after: float = STALE_AFTER) -> None:
@@ -124,8 +143,8 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
             for name in os.listdir(directory):
                 if name.startswith(_TEMPORARIES):
                     path = os.path.join(directory, name)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path, ignore_errors=True)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        discard(path)  # a moved-aside checkpoint: readers still take it
                     else:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(path)
@@ -157,5 +176,7 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
         quota = keep_last - (1 if keep_regular else 0)
         drop += [f for f in regular[quota:] if os.path.basename(f) not in protect]
     for folder in drop:
-        shutil.rmtree(folder, ignore_errors=True)
+        # renamed out of the readers' sight first: a kill mid-way leaves trash the next sweep
+        # removes, never a half-deleted step-N that a resume or `ckpt verify` trips over
+        discard(folder)
         durable(f"pruned {folder}")

@@ -11,6 +11,7 @@ commit lock and only when no newer generation took over, the rename to ``step-N`
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ from distrun_safetensors.manifest import (
     FORMAT,
     MONITOR,
     data_file,
+    read_latest,
     state_files,
 )
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
@@ -174,10 +176,14 @@ class Checkpointer:
                 self._claims[tmp] = claim(tmp)
                 os.mkdir(tmp)
             except OSError as exc:
-                tmp = {"error": f"cannot create a folder in {self.directory} ({exc.strerror})"}
+                if tmp is not None:
+                    self._release(tmp)  # its lock file too: nothing of this save is left
+                tmp = {"error": f"cannot create a folder in {self.directory} ({_said(exc)})",
+                       "full": _is_full(exc)}
         tmp = comm.broadcast(tmp)
         if isinstance(tmp, dict):
-            raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}")
+            hint = self._room_hint() if tmp.get("full") else ""
+            raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}{hint}")
         job: dict[str, Any] = {}
         error = None
         try:
@@ -197,7 +203,8 @@ class Checkpointer:
                 self.generation = draw_generation(self.directory, self.rdzv_generation,
                                                   self.lock_stale_after)
             except (OSError, CheckpointError) as exc:  # said by the commit, to every rank
-                job["error"] = f"cannot draw a generation in {self.directory} ({exc})"
+                job["error"] = f"cannot draw a generation in {self.directory} ({_said(exc)})"
+                job["full"] = _is_full(exc)
         if not self.async_save:
             self._write_and_commit(job, tmp, final, None)
             seconds = time.perf_counter() - started
@@ -301,11 +308,12 @@ class Checkpointer:
     def _write_and_commit(self, job: dict[str, Any], tmp: str, final: str, group: Any) -> None:
         error = None
         report: dict[str, Any] = {}
+        full = False
         try:
             report = _write_rank_files(job, tmp)
         except Exception as exc:
-            error = f"rank {job['rank']}: {exc}"
-        reports = comm.gather({"error": error, **report}, group)
+            error, full = f"rank {job['rank']}: {_said(exc)}", _is_full(exc)
+        reports = comm.gather({"error": error, "full": full, **report}, group)
         outcome = None
         if job["rank"] == 0:
             try:
@@ -314,8 +322,10 @@ class Checkpointer:
                 outcome = {"error": str(exc), "fenced": True}
                 shutil.rmtree(tmp, ignore_errors=True)
             except Exception as exc:
-                outcome = {"error": str(exc)}
+                outcome = {"error": _said(exc)}
                 shutil.rmtree(tmp, ignore_errors=True)
+                if _is_full(exc) or job.get("full") or any(r.get("full") for r in reports or []):
+                    outcome["error"] += self._room_hint()
             finally:
                 self._release(tmp)
             if not outcome.get("error"):
@@ -372,6 +382,14 @@ class Checkpointer:
                                               held, released, self.lock_stale_after))
         self._pruner.start()
 
+    def _room_hint(self) -> str:
+        """What to do about a full disk, and that the last checkpoint is untouched."""
+        latest, _ = read_latest(self.directory)
+        kept = (f" (latest still names {os.path.basename(latest)}, which is intact)"
+                if latest is not None and os.path.isdir(latest) else "")
+        return (f"; free space in {self.directory} or give --ckpt-dir a folder with room for "
+                f"the checkpoints{kept}")
+
     def _release(self, tmp: str) -> None:
         fd = self._claims.pop(tmp, None)
         if fd is not None:
@@ -380,7 +398,35 @@ class Checkpointer:
             os.close(fd)
 
 
+#: a write that failed for want of room: the user's to fix (free space, another --ckpt-dir)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _is_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _FULL
+
+
+def _said(exc: BaseException) -> str:
+    """An error of a save in words: a system error as its reason and the file it concerns."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        what = "the disk is full" if exc.errno in _FULL else "a system call failed"
+        return f"{what}: {exc.strerror}{where}"
+    return str(exc)
+
+
 def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """Write this rank's files into ``tmp``; a system error names the file it hit."""
+    current: list[str] = []
+    try:
+        return _write_files(job, tmp, current)
+    except OSError as exc:
+        if exc.filename or not current or exc.strerror is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, current[-1]) from exc
+
+
+def _write_files(job: dict[str, Any], tmp: str, current: list[str]) -> dict[str, Any]:
     rank, world = job["rank"], job["world"]
     files: dict[str, Any] = {}
     described: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
@@ -390,7 +436,8 @@ def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
             continue
         fname = data_file(kind, rank, world)
         entries = [(p.key, p.dtype, list(p.tensor.shape), p.nbytes) for p in mine]
-        files[fname] = write_safetensors(os.path.join(tmp, fname), entries,
+        current.append(os.path.join(tmp, fname))
+        files[fname] = write_safetensors(current[-1], entries,
                                          (tensor_bytes(p.tensor) for p in mine),
                                          {"format": "pt", "producer": FORMAT})
         for p in mine:
@@ -408,10 +455,12 @@ def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
 
         entries = [(k, safetensors_dtype(t.dtype), list(t.shape), t.numel() * t.element_size())
                    for k, t in zip(keys, ts, strict=False)]
-        files[tensor_name] = write_safetensors(os.path.join(tmp, tensor_name), entries,
+        current.append(os.path.join(tmp, tensor_name))
+        files[tensor_name] = write_safetensors(current[-1], entries,
                                                (tensor_bytes(t) for t in ts))
         state_ref["tensors"] = tensor_name
-    files[json_name] = write_json(os.path.join(tmp, json_name), job["state_json"])
+    current.append(os.path.join(tmp, json_name))
+    files[json_name] = write_json(current[-1], job["state_json"])
     for info in files.values():
         info["rank"] = rank
     return {"files": files, "pieces": described, "state_files": state_ref}

@@ -134,6 +134,55 @@ def _check_state(folder: str, name: str, tensors: str | None, ckpt: Checkpoint,
     if tensors is not None:
         keys = set(read_header(member(folder, tensors))[0])
     check_encoded(state, os.path.join(folder, name), keys, tensors)
+    _check_progress(os.path.join(folder, name), state, ckpt.manifest)
+
+
+#: the loop's counters in the contributed state, as the core saves them: name -> (counters a
+#: resume sets, which of them must be there). All are whole numbers >= 0 but the seed, any
+#: whole number; a forged or edited value (a step of -5) would otherwise set the loop to it.
+_COUNTERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "progress": (("epoch", "step", "micro_step", "samples", "batch_idx"), ()),
+    "sampler": (("epoch", "cursor", "dataset_len", "batch_size", "seed"),
+                ("epoch", "cursor", "dataset_len", "seed")),
+    "stream": (("read", "shards"), ("read", "shards")),
+}
+
+
+def _check_progress(where: str, state: Any, manifest: dict[str, Any]) -> None:
+    """The loop state of a rank's state file: whole numbers where the loop counts, and the
+    step the manifest was committed at."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: state is malformed (an object of named states)")
+    for name, (counters, required) in _COUNTERS.items():
+        if name not in state:
+            continue
+        value = state[name]
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {name} is {_shown(value)}, not an object of "
+                                  "counters (the state was changed after the save)")
+        for key in counters:
+            if key not in value:
+                if key in required:
+                    raise CheckpointError(f"{where}: {name}.{key} is missing (the state was "
+                                          "changed after the save)")
+                continue
+            v = value[key]
+            whole = isinstance(v, int) and not isinstance(v, bool)
+            if not whole or (key != "seed" and v < 0):
+                need = "a whole number" if key == "seed" else "a whole number >= 0"
+                raise CheckpointError(f"{where}: {name}.{key} is {_shown(v)}, not {need} (the "
+                                      "state was changed after the save)")
+    step = state.get("progress", {}).get("step") if isinstance(state.get("progress"),
+                                                                dict) else None
+    recorded = manifest.get("progress")
+    saved = recorded.get("step") if isinstance(recorded, dict) else None
+    if step is not None and isinstance(saved, int) and step != saved:
+        raise CheckpointError(f"{where}: progress.step is {step} but the manifest was committed "
+                              f"at step {saved} (the state was changed after the save)")
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:40]
 
 
 # -- the indexes -----------------------------------------------------------------------------------

@@ -34,7 +34,12 @@ sys.addaudithook(_audit)
 def ckpt(tmp_path):
     model, opt = build("plain")
     train_step(model, opt, 1)
-    return Checkpointer(str(tmp_path / "ckpt")).save(1, model, opt, {"progress": {"step": 1}})
+    saver = Checkpointer(str(tmp_path / "ckpt"))
+    path = saver.save(1, model, opt, {"progress": {"step": 1}})
+    # the pruning after the commit runs on in a thread and looks at the folder's commit lock:
+    # the tests record every file opened while they load, so it must be over first
+    saver.wait()
+    return path
 
 
 def _header(folder, name=MODEL_FILE):
