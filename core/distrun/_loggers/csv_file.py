@@ -4,14 +4,22 @@ Columns are ``step``, ``epoch``, ``time`` (seconds since the fit started) and ev
 the order it first appeared (``loss``, ``samples_per_sec``, ``lr``, ``val_*``...). A new column
 rewrites the (small) file; otherwise rows are appended. On resume, rows after the restored
 step are dropped so the file reads as one run (each step once), and rank 0 says so in one line.
+
+A row reaches the file whole or not at all: it is appended in one ``write`` of its bytes, and a
+write cut short (a full disk) is truncated away; a rewrite goes through a temporary file that
+replaces the old one only once it is complete. A failed write (``ENOSPC``, a quota, a
+read-only folder) is warned about once and never stops training: the rows from there on are
+kept in memory and written, whole, at the end of the run if there is room by then.
 """
 
 from __future__ import annotations
 
 import csv
+import io
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from distrun._spec.markers import hookimpl
@@ -22,6 +30,7 @@ __all__ = ["METRICS_FILE", "CsvLogger", "read_metrics", "replaced_rows_line"]
 
 METRICS_FILE = "metrics.csv"
 _KEY: StashKey[CsvLogger] = StashKey("csv_logger")
+log = logging.getLogger(__name__)
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:
@@ -34,13 +43,18 @@ def read_metrics(path: str) -> list[dict[str, float]]:
 class CsvLogger:
     """Appends metric rows to ``path``; a new column rewrites the file with the wider header."""
 
-    def __init__(self, path: str, keep_until_step: int | None = None) -> None:
+    def __init__(self, path: str, keep_until_step: int | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.columns = ["step", "epoch", "time"]
         self.rows: list[dict[str, float]] = []
-        self._fh: Any = None  # the file, open for appending once a row is appended
-        self._append: Any = None
+        self._fd: int | None = None  # the file, open for appending once a row is appended
+        self._size = 0  # its length: where a write cut short is truncated back to
         self.started = time.time()
+        #: says why the file stopped being written (once)
+        self.warn = warn or log.warning
+        #: why writing the file failed (None: it is written as rows come)
+        self.failed: str | None = None
         #: the steps of the rows dropped on resume (the run went back before them)
         self.dropped: list[int] = []
         if keep_until_step is not None and os.path.exists(path):
@@ -63,21 +77,32 @@ class CsvLogger:
         new = [k for k in row if k not in self.columns]
         if new:
             self.columns += new
+        if self.failed is not None:
+            return  # kept in memory: close() tries once more
+        if new:
             self._rewrite()
-            return
-        if self._fh is None:
-            self._fh = open(self.path, "a", newline="")  # noqa: SIM115 (kept open; close())
-            self._append = self._writer(self._fh)
-        self._append.writerow(self._cells(row))
-        self._fh.flush()  # one write per row: the file is whole if the process dies
+        else:
+            self._append(row)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """Close the file; after a failed write, one more try at writing every row."""
+        self._close_fd()
+        if self.failed is not None:
+            self._rewrite(retry=True)
 
-    def _writer(self, fh: Any) -> Any:
-        return csv.DictWriter(fh, fieldnames=self.columns)
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _text(self, rows: list[dict[str, float]], header: bool = False) -> bytes:
+        buf = io.StringIO(newline="")
+        writer = csv.DictWriter(buf, fieldnames=self.columns)
+        if header:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow(self._cells(row))
+        return buf.getvalue().encode()
 
     def _cells(self, row: Mapping[str, float]) -> dict[str, str]:
         out = {}
@@ -85,15 +110,52 @@ class CsvLogger:
             out[key] = str(int(value)) if key == "step" else f"{value:.8g}"
         return out
 
-    def _rewrite(self) -> None:
-        self.close()
+    def _append(self, row: Mapping[str, float]) -> None:
+        """Append one row in one write (the file is whole if the process dies); a write cut
+        short is truncated away, so no torn row is left."""
+        text = self._text([dict(row)])
+        data = memoryview(text)
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                self._size = os.fstat(self._fd).st_size
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            if self._fd is not None:
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    pass  # nothing more can be done about it; it is said below
+            self._fail(exc)
+            return
+        self._size += len(text)
+
+    def _rewrite(self, retry: bool = False) -> None:
+        """Write every row to a temporary file that replaces ``path`` once complete."""
+        self._close_fd()
         tmp = f"{self.path}.tmp"
-        with open(tmp, "w", newline="") as fh:
-            writer = self._writer(fh)
-            writer.writeheader()
-            for row in self.rows:
-                writer.writerow(self._cells(row))
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(self._text(self.rows, header=True))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if not retry:
+                self._fail(exc)
+            return
+        self.failed = None
+
+    def _fail(self, exc: OSError) -> None:
+        self._close_fd()
+        self.failed = exc.strerror or str(exc)
+        step = int(self.rows[-1]["step"]) if self.rows else 0
+        self.warn(f"warning: cannot write {self.path} ({self.failed}) at step {step}: training "
+                  "goes on; the rows from there on are kept in memory and written at the end "
+                  "of the run if there is room by then")
 
 
 @hookimpl
@@ -122,7 +184,8 @@ def _open(run: Any) -> CsvLogger | None:
     path = os.path.join(run.run_dir, METRICS_FILE)
     if keep == -1:
         keep = 1 << 62 if os.path.exists(path) else None
-    logger = run.stash[_KEY] = CsvLogger(path, keep_until_step=keep)
+    logger = run.stash[_KEY] = CsvLogger(path, keep_until_step=keep,
+                                         warn=lambda line: run.log.warning("%s", line))
     if logger.dropped:
         run.log.info("%s", replaced_rows_line(logger.dropped, run.progress.step,
                                               run.resumed_from))

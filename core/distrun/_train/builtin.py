@@ -107,6 +107,23 @@ def distrun_run_validation(run):
 # -- state ------------------------------------------------------------------------------------
 
 
+@hookimpl(wrapper=True)
+def distrun_save_checkpoint(run, reason):
+    # The rows of the steps a checkpoint holds are reduced before it is saved, while every
+    # rank is there, and logged once it is: a run resumed from it does not train those steps
+    # again, and a rank that dies after the commit can no longer keep them from the loggers.
+    from distrun._train.step_sync import STEP_SYNC
+
+    sync = run.stash.get(STEP_SYNC)
+    if sync is None:
+        return (yield)
+    try:
+        sync.reduce_for_commit()
+        return (yield)
+    finally:
+        sync.log_held()
+
+
 @hookimpl
 def distrun_state_dict(run) -> dict[str, Any]:
     from distrun._train.rng import rng_state

@@ -85,6 +85,10 @@ class StepSync(Joinable):
         self.grad_accum = run.config.grad_accum
         #: the loop's metrics of a log step (None: this sync logs nothing, it only votes)
         self.pack_metrics = pack_metrics
+        #: the last step whose window was packed (a commit packs its step's before its boundary)
+        self._packed = -1
+        #: while a checkpoint is saved: the reduced windows, logged once it is (None: log now)
+        self._held: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] | None = None
 
     # -- the loop's side -------------------------------------------------------------------
     def local_request(self) -> int:
@@ -103,7 +107,7 @@ class StepSync(Joinable):
         step = self.run.progress.step if shadowed is None else shadowed
         agreed = max(self._complete(), self._early)
         self._early = NONE
-        if self.log_every and step % self.log_every == 0:
+        if self.log_every and step % self.log_every == 0 and step != self._packed:
             self._pack(step)
         if step >= self.next_vote:
             local = self.local_request() if shadowed is None else NONE
@@ -121,6 +125,28 @@ class StepSync(Joinable):
         if self._windows and self._send(self.run.progress.step, self.local_request(), 0.0):
             agreed = max(agreed, self._complete())
         self._early = max(self._early, agreed)
+
+    def reduce_for_commit(self) -> None:
+        """Before a checkpoint is saved (every rank saves together): reduce the windows of
+        every step it holds, the current log step's included, while every rank is still
+        there; :meth:`log_held` logs them once it is saved. A rank that dies after the commit
+        cannot take those rows with it then, and a run resumed from the checkpoint does not
+        train those steps again. Logged after the save, not before: a row that makes a
+        checkpoint plugin save the same step (a monitored metric) finds it saved."""
+        if self.pack_metrics is None:
+            return
+        self._held = []
+        step = self.run.progress.step
+        if self.log_every and step % self.log_every == 0 and step != self._packed \
+                and step > 0:
+            self._pack(step)
+        self.flush()
+
+    def log_held(self) -> None:
+        """Log the rows :meth:`reduce_for_commit` reduced, in order."""
+        held, self._held = self._held or [], None
+        for done, summed in held:
+            done(summed)
 
     def drain(self, metrics: bool = False) -> int:
         """At the end of an epoch or of the fit (``metrics``: the last, partial window too),
@@ -143,8 +169,9 @@ class StepSync(Joinable):
         if self.pack_metrics is None:
             return
         packed, done = self.pack_metrics(step)
+        self._packed = step
         if self.alone:
-            done(packed)  # one process: its values are the totals
+            self._log(done, packed)  # one process: its values are the totals
         else:
             self._windows.append((packed, done))
 
@@ -188,14 +215,19 @@ class StepSync(Joinable):
         self._finish(buf, dones)
         return PREEMPT if preempt > 0 else FINISH if finish > 0 else NONE
 
-    @staticmethod
-    def _finish(buf: torch.Tensor,
+    def _finish(self, buf: torch.Tensor,
                 dones: list[tuple[Callable[[torch.Tensor], None], int]]) -> None:
         """Hand each packed window its summed values, in the order they were packed."""
         pos = _VOTE
         for done, size in dones:
-            done(buf[pos:pos + size])
+            self._log(done, buf[pos:pos + size])
             pos += size
+
+    def _log(self, done: Callable[[torch.Tensor], None], summed: torch.Tensor) -> None:
+        if self._held is not None:
+            self._held.append((done, summed))  # a checkpoint is being saved: after it
+        else:
+            done(summed)
 
     # -- Joinable: what a rank that ran out of data does while the others still train ------
     def join_hook(self, **kwargs: Any) -> JoinHook:

@@ -2,8 +2,8 @@
 
 This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler, worker spec,
 ``LocalElasticAgent``) with three changes a subclass of the agent makes, and warm starts
-(:mod:`distrun_elastic.warm`: every start of a worker forked from a spare per local rank that
-has imported torch, unless ``--no-warm-restart``):
+(:mod:`distrun_elastic.warm`: every start of a task's workers, and every restart of a script's,
+forked from a spare per local rank that has imported torch, unless ``--no-warm-restart``):
 
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
@@ -30,8 +30,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +81,8 @@ _USAGE_ERROR = 2
 _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 #: phrases of a rank that failed because a peer died first (not the root cause)
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+#: the module every worker ``distrun run`` starts runs (a task, --script or --module after it)
+WORKER_MODULE = "distrun._train.worker"
 
 
 #: the signal the heartbeat thread sends the agent's main thread when the store is lost
@@ -130,10 +134,16 @@ class DistrunAgent(LocalElasticAgent):
     """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
 
     def __init__(self, *args: Any, relay: Relay, plan: ElasticPlan, host_store: bool = False,
-                 bind: str | None = None, **kwargs: Any) -> None:
+                 bind: str | None = None, trains_task: bool = True, scratch: str = "",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.relay = relay
         self.plan = plan
+        #: the workers run a task of the core's loop (else a plain script or another program,
+        #: whose checkpoints, if any, are its own)
+        self.trains_task = trains_task
+        #: the folder of the workers' output files when the user asked for no logs ("": none)
+        self.scratch = scratch
         self.bind = bind
         #: (global rank, return code) of the worker that failed first in the current attempt
         self.root_cause: tuple[int, int] | None = None
@@ -151,6 +161,8 @@ class DistrunAgent(LocalElasticAgent):
         self.unwound = threading.Event()
         #: the warm spares the workers are forked from (None: every start is cold)
         self.warm: WarmPool | None = None
+        #: what starts the spares once the first workers have started (None: nothing to start)
+        self.make_warm: Callable[[], WarmPool] | None = None
         self._ending = threading.Lock()
         self._rounds = 0
 
@@ -193,9 +205,15 @@ class DistrunAgent(LocalElasticAgent):
         if self.unwound.wait(UNWIND_GRACE) or not self.claim_end():
             return
         self.relay.close(timeout=1.0)
+        self.remove_scratch()
         _say(str(CutOff(self.plan.rdzv_endpoint, silent)))
         sys.stdout.flush()
         os._exit(EXIT_REQUEUE)
+
+    def remove_scratch(self) -> None:
+        """Remove the workers' output files the user did not ask for (their lines were relayed)."""
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def stop_liveness(self) -> None:
         if self.liveness is not None:
@@ -218,7 +236,10 @@ class DistrunAgent(LocalElasticAgent):
             with forking_from(self.warm):
                 return super()._start_workers(worker_group)
         finally:
-            if self.warm is not None:
+            if self.warm is None and self.make_warm is not None:
+                # the spares of a script start once its first workers have started
+                self.warm, self.make_warm = self.make_warm(), None
+            elif self.warm is not None:
                 self.warm.renew()  # a spare that died is replaced, in the background
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
@@ -248,11 +269,17 @@ class DistrunAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
             elif self._remaining_restarts > 0:
                 self.restarts += 1
-                spec = worker_group.spec
-                _say(f"rank {rank} exited with code {exit_code(code)}; restarting the workers "
-                     f"from the latest checkpoint (restart {self.restarts} of "
-                     f"{spec.max_restarts})")
+                _say(f"rank {rank} exited with code {exit_code(code)}; restarting the workers"
+                     f"{self._resumes} (restart {self.restarts} of "
+                     f"{worker_group.spec.max_restarts})")
         return result
+
+    @property
+    def _resumes(self) -> str:
+        """How a restarted attempt goes on: distrun holds the checkpoints of a task only."""
+        if self.trains_task:
+            return " from the latest checkpoint"
+        return ": the script starts over, and resumes from its own checkpoint if it saves one"
 
     def _lose(self, worker_group: Any, lost: list[LostPeer]) -> RunResult:
         """Stop this node's workers (they wait on the lost peers) and fail the attempt."""
@@ -266,7 +293,7 @@ class DistrunAgent(LocalElasticAgent):
         self.root_cause = (first, -int(signal.SIGKILL))
         if self._remaining_restarts > 0:
             self.restarts += 1
-            _say(f"re-forming from the latest checkpoint (restart {self.restarts} of "
+            _say(f"re-forming{self._resumes} (restart {self.restarts} of "
                  f"{worker_group.spec.max_restarts})")
         return RunResult(state=WorkerState.FAILED)
 
@@ -313,6 +340,15 @@ class DistrunAgent(LocalElasticAgent):
         _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
 
 
+def trains_task(command: list[str]) -> bool:
+    """True when ``command`` runs a task of the core's loop, whose checkpoints distrun holds
+    (not ``--script``/``--module``, nor a program other than distrun's worker)."""
+    for i, arg in enumerate(command[:-1]):
+        if arg == "-m" and command[i + 1] == WORKER_MODULE:
+            return len(command) > i + 2 and command[i + 2] not in ("--script", "--module")
+    return False
+
+
 def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
                secondary: Callable[[int], bool], after_torch_stop: bool = False
                ) -> tuple[int, int]:
@@ -330,6 +366,19 @@ def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
 
     return min(failed, key=lambda f: (stopped(f[1]), f[1] >= 0, secondary(f[0]),
                                       ranks.get(f[0], 0)))
+
+
+def _end_spares(pool: WarmPool) -> None:
+    """End the warm spares at once: they hold nothing, and one that is still importing torch
+    (a script's spares start with its first workers) would not read its socket's close until
+    it is done; one that is idle would then tear down an interpreter that has imported torch.
+    Either kept the launcher waiting seconds after the script's last line."""
+    for pid in pool.pids().values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pool.close()
 
 
 def _file_tail(path: str, nbytes: int = 8192) -> str:
@@ -481,14 +530,33 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         _workers_use_agent_store(handler)
     relay = Relay(tee=plan.tee)
     stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-    agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir),
-                         start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
-                         plan=plan, host_store=host_store, bind=plan.bind_address)
-    _quiet_torch_logs(plan.debug)
+    task = trains_task(command)
+    warm: WarmPool | None = None
+    make_warm: Callable[[], WarmPool] | None = None
     if plan.warm_restart and warm_command(command) is not None:
         fork_workers_warm()
-        # started now, from this (main) thread: they import torch during the rendezvous
-        agent.warm = WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
+
+        def spares() -> WarmPool:
+            return WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
+
+        # A task's workers import what the spares preload (torch, its optimizers' torch._dynamo,
+        # distrun's loop): started now, from this (main) thread, the spares import it during
+        # the rendezvous and every start is forked from them. A script may need much less: its
+        # first workers start cold, as under torchrun, rather than wait for that preload, and
+        # the spares start after them, for the restarts.
+        if task:
+            warm = spares()
+        else:
+            make_warm = spares
+    # torch's agent writes each worker's output into files; where the user asked for none,
+    # they go into a folder of this run's own, removed when the run ends however it ends
+    scratch = "" if plan.log_dir else tempfile.mkdtemp(prefix="distrun_elastic_")
+    agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir or scratch),
+                         start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
+                         plan=plan, host_store=host_store, bind=plan.bind_address,
+                         trains_task=task, scratch=scratch)
+    agent.warm, agent.make_warm = warm, make_warm
+    _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
 
     def woken(signum: int, frame: Any) -> None:
@@ -504,8 +572,8 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         relay.close()
         sig = exc.sigval
         if sig in (signal.SIGTERM, signal.SIGUSR1):
-            _say(f"{sig.name}: the workers saved a checkpoint and stopped; exit "
-                 f"{EXIT_REQUEUE} (requeue)")
+            saved = "saved a checkpoint and stopped" if agent.trains_task else "stopped"
+            _say(f"{sig.name}: the workers {saved}; exit {EXIT_REQUEUE} (requeue)")
             return EXIT_REQUEUE
         return exit_code(-int(sig))
     except RendezvousGracefulExitError:
@@ -535,9 +603,10 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     finally:
         agent.stop_liveness()
         if agent.warm is not None:
-            agent.warm.close()
+            _end_spares(agent.warm)
         signal.signal(_WAKE, previous)
         relay.close()
+        agent.remove_scratch()
         if shutdown_rdzv:
             try:
                 handler.shutdown()

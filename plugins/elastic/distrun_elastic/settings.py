@@ -88,12 +88,48 @@ class ElasticPlan:
 
 def _node_range(nnodes: str) -> tuple[int, int]:
     parts = nnodes.split(":")
-    lo = int(parts[0])
-    return lo, int(parts[-1])
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        lo = hi = 0
+    if len(parts) > 2 or not 1 <= lo <= hi:
+        raise UsageError(f"invalid value for --nnodes: {nnodes!r} (use N or MIN:MAX with MIN "
+                         "at most MAX, e.g. 2 or 1:2)")
+    return lo, hi
 
 
-def parse_rdzv_conf(text: str) -> dict[str, Any]:
-    """``"last_call_timeout=5,is_host=true"`` -> a dict (torchrun's ``--rdzv-conf`` format)."""
+#: the ``--rdzv-conf`` keys torch's rendezvous handlers read (torch 2.13), by backend, and the
+#: kind of value each takes: "seconds" and "count" a whole number above 0 (torch refuses 0 and
+#: less, or hangs), "rank" one of 0 or more, "bool" one of torch's spellings
+#: (``RendezvousParameters.get_as_bool``), "path" any text, a tuple one of its words.
+#: c10d and etcd-v2: ``dynamic_rendezvous.create_handler`` and their backend's
+#: ``create_backend``; static: ``static_tcp_rendezvous.create_rdzv_handler``; etcd:
+#: ``etcd_rendezvous``. ``timeout`` is torchrun's, which it passes to every backend, and
+#: ``is_host`` also tells distrun whether this node serves the rendezvous store.
+_DYNAMIC = {"join_timeout": "seconds", "last_call_timeout": "seconds",
+            "close_timeout": "seconds", "heartbeat_timeout": "seconds",
+            "keep_alive_interval": "seconds", "keep_alive_max_attempt": "count",
+            "read_timeout": "seconds", "timeout": "seconds"}
+RDZV_CONF_KEYS: dict[str, dict[str, Any]] = {
+    "c10d": {**_DYNAMIC, "is_host": "bool", "store_type": ("tcp", "file")},
+    "static": {"timeout": "seconds", "rank": "rank", "is_host": "bool"},
+    "etcd": {"timeout": "seconds", "last_call_timeout": "seconds",
+             "protocol": ("http", "https"), "cert": "path", "key": "path", "cacert": "path",
+             "etcd_prefix": "path"},
+    "etcd-v2": {**_DYNAMIC, "protocol": ("http", "https"), "ssl_cert": "path",
+                "ssl_cert_key": "path", "ca_cert": "path"},
+}
+_TRUE = ("1", "true", "t", "yes", "y")
+_FALSE = ("0", "false", "f", "no", "n")
+_KINDS = {"seconds": "a whole number of seconds above 0", "count": "a whole number above 0",
+          "rank": "a whole number, 0 or more",
+          "bool": "one of " + ", ".join(_TRUE + _FALSE)}
+_EXAMPLES = {"seconds": 60, "count": 3, "rank": 0, "bool": "true"}
+
+
+def parse_rdzv_conf(text: str, backend: str = "c10d") -> dict[str, Any]:
+    """``"last_call_timeout=5,is_host=true"`` -> a dict (torchrun's ``--rdzv-conf`` format),
+    each key one ``backend``'s rendezvous reads and each value of its kind."""
     out: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
@@ -102,8 +138,37 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
                 f"invalid value for --rdzv-conf: {item!r} is not KEY=VALUE "
                 "(example: --rdzv-conf last_call_timeout=5,join_timeout=600)"
             )
-        out[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        _check_rdzv_value(backend, key, value)
+        out[key] = value
     return out
+
+
+def _check_rdzv_value(backend: str, key: str, value: str) -> None:
+    """Raise a UsageError naming ``key`` when torch's ``backend`` rendezvous would not take it."""
+    known = RDZV_CONF_KEYS.get(backend, {})
+    kind = known.get(key)
+    if kind == "path":
+        return
+    if kind is None:
+        raise UsageError(
+            f"invalid value for --rdzv-conf: unknown key {key!r} for the {backend} rendezvous "
+            f"(known: {', '.join(sorted(known))})")
+    if isinstance(kind, tuple):
+        if value.lower() in kind:
+            return
+        allowed = "one of " + ", ".join(kind)
+    elif kind == "bool":
+        if value.lower() in _TRUE + _FALSE:
+            return
+        allowed = _KINDS[kind]
+    else:
+        lowest = 0 if kind == "rank" else 1
+        if re.fullmatch(r"[+-]?\d+", value) and int(value) >= lowest:
+            return
+        allowed = _KINDS[kind]
+    raise UsageError(f"invalid value for --rdzv-conf: {key}={value!r} (use {allowed}, e.g. "
+                     f"{key}={_EXAMPLES.get(kind, kind[0] if isinstance(kind, tuple) else 1)})")
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str]:
@@ -129,7 +194,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     log_dir = config.log_dir or (os.path.join(config.run_dir, "logs") if config.run_dir else "")
     backend = opts.rdzv_backend
     endpoint = opts.rdzv_endpoint.strip()
-    conf = parse_rdzv_conf(opts.rdzv_conf)
+    conf = parse_rdzv_conf(opts.rdzv_conf, backend)
     if backend == "static":
         if lo != hi:
             raise UsageError(f"--nnodes {config.nnodes}: a node range needs a dynamic rendezvous "

@@ -8,6 +8,8 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
   any checkpoint of the step is written;
 - ``EL_CKPT_KILL="attempt:step"``: rank 0 SIGKILLs itself while committing the checkpoint of
   that step (after its files are written, at the rename that would publish it);
+- ``EL_KILL_AFTER_COMMIT="attempt:step:rank"``: that rank SIGKILLs itself once the checkpoint
+  of that step is committed (``latest`` names it), before the step's boundary;
 - ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
 - ``EL_WAIT_AT="attempt:step"``: rank 0 writes ``waiting`` before it trains that step, then
   waits until ``go`` exists;
@@ -164,7 +166,26 @@ def distrun_save_checkpoint(run, reason):
         attempt, at = spec.split(":")
         if attempt == _attempt() and int(at) == run.progress.step:
             _die_at_commit()
-    return (yield)
+    path = yield
+    after = os.environ.get("EL_KILL_AFTER_COMMIT", "")
+    if path and after == f"{_attempt()}:{run.progress.step}:{run.rank}":
+        _die_once_committed(path)
+    return path
+
+
+def _die_once_committed(path: str) -> None:
+    """SIGKILL this process once ``latest`` (beside ``path``) names ``path``: committed."""
+    latest = os.path.join(os.path.dirname(path), "latest")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with open(latest) as fh:
+                if fh.read().strip() == os.path.basename(path):
+                    break
+        except OSError:
+            pass
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_at_commit() -> None:

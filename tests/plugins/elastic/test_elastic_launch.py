@@ -226,3 +226,41 @@ def test_a_rendezvous_that_never_completes_ends_at_join_timeout_in_one_line(tmp_
         f"error: rendezvous 'alone' at 127.0.0.1:{port}: fewer than 2 nodes joined within "
         "join_timeout=3 s (start the other nodes with the same --rdzv-endpoint and --rdzv-id, "
         "or give more time: --rdzv-conf join_timeout=SECONDS)")
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--rdzv-conf", "join_timeout=abc"],
+     "error: invalid value for --rdzv-conf: join_timeout='abc' (use a whole number of seconds "
+     "above 0, e.g. join_timeout=60)"),
+    (["--rdzv-conf", "join_timeout=-5"],
+     "error: invalid value for --rdzv-conf: join_timeout='-5' (use a whole number of seconds "
+     "above 0, e.g. join_timeout=60)"),
+    (["--rdzv-conf", "last_call_timeout="],
+     "error: invalid value for --rdzv-conf: last_call_timeout='' (use a whole number of "
+     "seconds above 0, e.g. last_call_timeout=60)"),
+    (["--rdzv-conf", "is_host=maybe"],
+     "error: invalid value for --rdzv-conf: is_host='maybe' (use one of 1, true, t, yes, y, 0, "
+     "false, f, no, n, e.g. is_host=true)"),
+    (["--rdzv-conf", "store_type=redis"],
+     "error: invalid value for --rdzv-conf: store_type='redis' (use one of tcp, file, e.g. "
+     "store_type=tcp)"),
+    (["--rdzv-conf", "a=b"],
+     "error: invalid value for --rdzv-conf: unknown key 'a' for the c10d rendezvous (known: "
+     "close_timeout, heartbeat_timeout, is_host, join_timeout, keep_alive_interval, "
+     "keep_alive_max_attempt, last_call_timeout, read_timeout, store_type, timeout)"),
+    (["--rdzv-backend", "static", "--rdzv-conf", "join_timeout=5"],
+     "error: invalid value for --rdzv-conf: unknown key 'join_timeout' for the static "
+     "rendezvous (known: is_host, rank, timeout)"),
+    (["--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "j"],
+     "error: invalid value for --nnodes: '3:2' (use N or MIN:MAX with MIN at most MAX, e.g. 2 "
+     "or 1:2)"),
+])
+def test_a_bad_rendezvous_setting_is_one_usage_line_before_anything_starts(cli, tmp_path,
+                                                                           flags, line):
+    """Each key and value is checked where it is parsed (not blamed on the endpoint after
+    torch's handler refused it): exit 2, naming the key and what it takes."""
+    result = cli("run", "--max-restarts", "1", *flags, str(HERE / "envdump.py"), cwd=tmp_path,
+                 env=ENV)
+    assert result.returncode == 2, result
+    assert result.stderr.splitlines() == [line], result
+
