@@ -111,7 +111,7 @@ def _publish(directory: str, lock: CommitLock, generation: int, step: int, tmp: 
     """The compare-and-swap: unless a newer generation took over, rename ``tmp`` to ``final``
     and point ``latest`` (and ``best``) at it. Returns the committed folder ``final`` replaced,
     moved aside (the caller removes it once the lock is released)."""
-    stale = find_stale(directory, generation)
+    stale = find_stale(directory, generation, step)
     if stale is not None:
         raise fenced_error(stale, generation, step, directory)
     if not launcher_alive():  # an orphan (its launcher was killed) never commits

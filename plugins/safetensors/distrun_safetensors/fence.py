@@ -9,6 +9,18 @@ the one of the checkpoint ``latest`` names, and renames its folder into place an
 off by a partition, frozen, or a run started earlier on the same folder) is *fenced*: its save
 is dropped and it fails with one line.
 
+One start is one launcher's rendezvous round: the processes a launcher starts in one round
+(``LAUNCHER_PID_ENV``, the run's key ``RUN_KEY_ENV`` and the rendezvous generation, recorded as
+the generation file's ``round``) share its generation. Rank 0 of an elastic round or of a
+``distrun run`` draws once anyway; the case is ``distrun run --ft``, whose replica groups are one
+run that a single launcher keeps in one round, each group writing while it is the lowest live
+replica and restarted alone when it dies. A group that starts saving (its first save, or after a
+restart) joins the generation its launcher's round drew when the folder's newest generation is
+that one, instead of drawing a newer one that would fence the group that trains on beside it
+(a live group, not a stale node). Who is stale among the groups of one round is torchft's
+quorum's to say, not the folder's. A start that cannot name its launcher (no launcher
+variables) always draws.
+
 Why the folder draws the numbers rather than taking the rendezvous generation as it is: the
 rendezvous store lives in one agent, so a job that is launched again (a requeue, a rerun with
 ``--resume auto``) counts its rounds from 1 again, below the generations already on disk. The
@@ -36,10 +48,11 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.plugin import pid_alive
+from distrun.plugin import LAUNCHER_PID_ENV, RUN_KEY_ENV, pid_alive, pid_start_time
 from distrun_safetensors.errors import CheckpointError, FencedError
 from distrun_safetensors.files import fsync_dir
 from distrun_safetensors.manifest import (
@@ -48,10 +61,10 @@ from distrun_safetensors.manifest import (
     read_latest,
     read_manifest_quietly,
 )
-from distrun_safetensors.paths import GENERATION_FILE
+from distrun_safetensors.paths import GENERATION_FILE, read_member
 
 __all__ = ["LOCK", "STALE_AFTER", "CommitLock", "LockLost", "Stale", "clear_dead_lock",
-           "draw_generation", "fenced_error", "find_stale"]
+           "draw_generation", "fenced_error", "find_stale", "round_key"]
 
 #: the commit lock of a checkpoints folder
 LOCK = ".commit.lock"
@@ -223,15 +236,46 @@ def _newest(directory: str) -> int:
     return max(drawn, committed)
 
 
+def round_key(rdzv_generation: int = 0, environ: Mapping[str, str] | None = None) -> str | None:
+    """The identity of this process's start of the run (see the module docstring): its
+    launcher (host, pid and the pid's start time), the run's key and ``rdzv_generation``;
+    None when the process was not started by a distrun launcher."""
+    env = os.environ if environ is None else environ
+    pid, key = env.get(LAUNCHER_PID_ENV, "").strip(), env.get(RUN_KEY_ENV, "").strip()
+    if not pid.isdigit() or not key:
+        return None
+    started = pid_start_time(int(pid))
+    if started is None:  # the launcher is gone: nothing left to share a round with
+        return None
+    return f"{key}/{HOST}/{pid}/{started}/{rdzv_generation}"
+
+
+def _drawn_round(directory: str) -> str | None:
+    """The ``round`` the generation file records (None: none, or unreadable)."""
+    try:
+        record = json.loads(read_member(directory, GENERATION_FILE, 4096, "generation file"))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    found = record.get("round") if isinstance(record, dict) else None
+    return found if isinstance(found, str) else None
+
+
 def draw_generation(directory: str, rdzv_generation: int = 0,
                     stale_after: float = STALE_AFTER) -> int:
     """Draw this start's generation from ``directory`` (rank 0, at its first save): one more
-    than the newest drawn, at least ``rdzv_generation``; recorded before it is returned."""
+    than the newest drawn, at least ``rdzv_generation``; recorded before it is returned. A
+    process of the round that drew the newest generation joins it (see the module
+    docstring)."""
     os.makedirs(directory, exist_ok=True)
+    mine = round_key(rdzv_generation)
     with CommitLock(directory, stale_after):
-        value = max(_newest(directory) + 1, rdzv_generation)
+        newest = _newest(directory)
+        if mine is not None and newest == read_generation_file(directory) and newest > 0 \
+                and newest >= rdzv_generation and _drawn_round(directory) == mine:
+            return newest
+        value = max(newest + 1, rdzv_generation)
         record = {"generation": value, "rdzv_generation": rdzv_generation, "host": HOST,
-                  "pid": os.getpid(), "at": time.time()}
+                  "pid": os.getpid(), "at": time.time(), "round": mine}
         tmp = os.path.join(directory, f"{GENERATION_FILE}-{uuid.uuid4().hex[:8]}")
         with open(tmp, "w") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -251,15 +295,20 @@ class Stale:
     latest_step: int | None
 
 
-def find_stale(directory: str, mine: int) -> Stale | None:
-    """Why generation ``mine`` may not commit in ``directory`` now, or None when it may
-    (call it under the commit lock)."""
+def find_stale(directory: str, mine: int, step_of_mine: int | None = None) -> Stale | None:
+    """Why generation ``mine`` may not commit (its step ``step_of_mine``) in ``directory``
+    now, or None when it may (call it under the commit lock).
+
+    Within one generation ``latest`` never moves back: the processes of one round train in
+    step, so a commit of an older step than ``latest``'s is a writer that was frozen or cut
+    off while the round went on (the groups of an ``--ft`` run share their round)."""
     latest, _ = read_latest(directory)
     manifest = read_manifest_quietly(latest) if latest else None
     committed = manifest_generation(manifest)
     step = manifest.get("step") if manifest else None
     step = step if isinstance(step, int) else None
-    if committed > mine:
+    if committed > mine or (committed == mine and step_of_mine is not None
+                            and step is not None and step_of_mine < step):
         return Stale(committed, True, step)
     drawn = read_generation_file(directory)
     if drawn > mine:
@@ -269,6 +318,11 @@ def find_stale(directory: str, mine: int) -> Stale | None:
 
 def fenced_error(stale: Stale, mine: int, step: int, directory: str) -> FencedError:
     """The one line a fenced commit fails with."""
+    if stale.committed and stale.newer == mine:
+        return FencedError(
+            f"fenced: step {stale.latest_step} of this round is committed in {directory}; this "
+            f"writer's checkpoint of step {step} is older (it was frozen or cut off while the "
+            "run went on) and was not committed")
     if stale.committed:
         what = f"round {stale.newer} has committed step {stale.latest_step}"
     else:

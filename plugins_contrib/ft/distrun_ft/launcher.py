@@ -8,7 +8,15 @@ host that owns HOST, on HOST only, and used by every other one), and the cross-g
 Manager forms at every quorum. When a rank dies the launcher stops the rest of its group at
 once (so the group's heartbeat stops and the lighthouse drops it after ``--ft-heartbeat``
 seconds) and starts the group again, up to ``--ft-max-restarts`` times; the other groups are
-never stopped. The new group heals from a live peer (see :mod:`distrun_ft.loop`).
+never stopped. The new group heals from a live peer (see :mod:`distrun_ft.loop`). A restarted
+group starts with ``--resume auto`` (the run's newest checkpoint): when no group is live any more
+(every group died) the launcher leaves an ``alone`` mark for each waiting replacement in the
+meeting folder, and the replacements train on from the checkpoint instead of from step 0.
+
+SIGINT or SIGTERM to the launcher is forwarded to every group: each saves (the lowest live
+replica writes a preemption checkpoint) and exits; whatever still runs after
+:data:`~distrun.plugin.STOP_GRACE` seconds is killed, and the launcher exits with
+:data:`~distrun.plugin.EXIT_REQUEUE` (SIGTERM) or 130 (SIGINT), as the plain launcher does.
 
 The lighthouse is the single point of failure of a run: when the one this launcher started
 exits, no group can form a quorum again, so the launcher says so in one line, stops every
@@ -114,10 +122,16 @@ def _start_lighthouse(config: Any, bind: str = f"{LOOPBACK}:0") -> tuple[subproc
     return proc, line
 
 
-def _group_config(config: Any, g: int) -> Any:
+def _group_config(config: Any, g: int, attempt: int = 0) -> Any:
+    values: dict[str, Any] = {}
+    if attempt > 0 and config.resume in ("never", "auto"):
+        # a restarted group holds nothing of the run's: it heals from a live peer, or, when
+        # every group died, goes on from the run's newest checkpoint (never from step 0, which
+        # would train the committed steps again and overwrite their checkpoints)
+        values["resume"] = "auto"
     if not config.run_dir:
-        return config
-    values: dict[str, Any] = {"run_dir": os.path.join(config.run_dir, f"replica{g}")}
+        return with_values(config, **values) if values else config
+    values["run_dir"] = os.path.join(config.run_dir, f"replica{g}")
     ckpt_dir = config.get("ckpt_dir")  # the checkpoint plugin's option, when it is installed
     if ckpt_dir is not None:
         # one checkpoint folder for the run: any group may write it, every group reads it
@@ -130,7 +144,7 @@ def _start_group(group: _Group, config: Any, command: list[str], environ: dict[s
                  barrier: str = "", address: str = LOOPBACK) -> None:
     store = listen_socket(LOOPBACK, 0)
     port = store.getsockname()[1]
-    cfg = _group_config(config, group.index).to_json()
+    cfg = _group_config(config, group.index, group.attempt).to_json()
     group.procs = []
     try:
         for rank in range(nproc):
@@ -259,6 +273,32 @@ def _stop_unjoined(groups: list[_Group], folder: str) -> None:
                  "finished the run: stopped")
 
 
+def _waiting(group: _Group, folder: str) -> bool:
+    """Whether ``group`` is a restarted group that has not met a peer yet."""
+    return group.attempt > 0 and not group.done and not group.out_of_restarts and \
+        not os.path.exists(os.path.join(folder, mark_name("joined", group.index, group.attempt)))
+
+
+def _release_alone(groups: list[_Group], folder: str) -> None:
+    """When every live group is a replacement waiting for a peer (every group died), nobody
+    can heal them: each is told to go on from the run's newest checkpoint (see
+    :mod:`distrun_ft.loop`). One that meets another replacement first heals from it (or it
+    from the one). Only for a launcher that runs every group of the run (one host)."""
+    live = [g for g in groups if not g.done and not g.out_of_restarts and g.alive()]
+    if not live or not all(_waiting(g, folder) for g in live):
+        return
+    for group in live:
+        path = os.path.join(folder, mark_name("alone", group.index, group.attempt))
+        if not os.path.exists(path):
+            open(path, "w").close()
+
+
+def _stop_code(signum: int) -> int:
+    """The exit code of a run stopped by ``signum``: requeue for SIGTERM, as the plain
+    launcher's workers exit (130 for SIGINT)."""
+    return 128 + signal.SIGINT if signum == signal.SIGINT else EXIT_REQUEUE
+
+
 def _supervise(config: Any, groups: list[_Group], command: list[str], environ: dict[str, str],
                nproc: int, lighthouse: str, run_id: str, stop: _Stop,
                lighthouse_proc: subprocess.Popen | None, barrier: str, address: str) -> int:
@@ -271,12 +311,18 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                 stopping_since = time.monotonic()
                 for group in groups:
                     group.kill(stop.signum)
-            if not any(g.alive() for g in groups) or \
-                    time.monotonic() - stopping_since > STOP_GRACE:
-                codes = [p.returncode for g in groups for p in g.procs if p.poll() not in (0,)]
-                return exit_code(codes[0]) if codes and codes[0] is not None else 0
-            time.sleep(POLL)
-            continue
+            if any(g.alive() for g in groups) and \
+                    time.monotonic() - stopping_since <= STOP_GRACE:
+                time.sleep(POLL)
+                continue
+            for group in groups:  # past the grace: what still runs is killed
+                group.kill()
+                group.reap()
+            # a run that ended meanwhile stays 0, a usage error said by a worker stays 2
+            codes = {exit_code(p.returncode) for g in groups for p in g.procs}
+            if codes <= {0}:
+                return 0
+            return 2 if 2 in codes else _stop_code(stop.signum)
         if lighthouse_proc is not None and lighthouse_proc.poll() is not None:
             _say(f"the torchft lighthouse (pid {lighthouse_proc.pid}) exited with code "
                  f"{lighthouse_proc.returncode}: no replica group can form a quorum without it; "
@@ -320,6 +366,9 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                          run_id, barrier=barrier, address=address)
         if any(g.done for g in groups):
             _stop_unjoined(groups, folder)
+        elif not FtOptions.of(config).ft_lighthouse:
+            # (across hosts, groups of other launchers may be live: the waiting ones wait)
+            _release_alone(groups, folder)
         if all(g.done or g.out_of_restarts for g in groups):
             scripts = [g.code for g in groups if g.after_fit]
             if scripts:

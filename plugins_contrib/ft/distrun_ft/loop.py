@@ -20,12 +20,20 @@ With ``--ft-sync localsgd:N`` or ``diloco:N`` the groups meet every N steps inst
 State a healing group takes from its peer: the model's and the optimizer's state dicts, the
 run's progress (step, epoch, samples) and torchft's own step; the data cursor is the committed
 step itself.
+
+A restarted group (the launcher starts it with ``--resume auto``: it has loaded the run's newest
+checkpoint) waits for a live peer to heal from and neither trains nor saves until then. When no
+group is live any more (every group died; the launcher says so with an ``alone`` mark in the
+meeting folder) nobody can heal it: it loads the run's newest checkpoint once more (one a peer
+committed after this group started) and trains on from there; replacements that meet in one
+quorum take the newest state among them (torchft heals the others from it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,6 +75,8 @@ class FtState:
     replica_rank: int = 0
     participants: int = 1
     quorum_id: int = -1
+    #: False while a restarted group waits for a peer: it holds no state of the run's yet
+    joined: bool = True
 
 
 FT: StashKey[FtState] = StashKey("ft.state")
@@ -81,9 +91,43 @@ def share(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def is_saver(run: Any) -> bool:
-    """True in the group that writes durable checkpoints: the lowest live replica rank."""
+    """True in the group that writes durable checkpoints: the lowest live replica rank (a
+    restarted group that has not healed yet never saves)."""
     state = run.stash.get(FT)
-    return state is None or state.replica_rank == 0
+    return state is None or (state.joined and state.replica_rank == 0)
+
+
+def _agreed(flag: bool) -> bool:
+    """``flag`` of any rank of this group, on every rank of it (one tiny all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _stop_agreed(run: Any) -> bool:
+    """True once any rank of this group got a stop signal (then every rank stops as if it had
+    it: the preemption checkpoint and the requeue exit are collective in the group)."""
+    if not _agreed(run.stop_signal is not None):
+        return False
+    if run.stop_signal is None:
+        run.stop_signal = int(signal.SIGTERM)
+    run.done = True
+    return True
+
+
+def _serve_group_store() -> Any:
+    """The group's store on the launcher's socket, for a one-rank group whose strategy made
+    its process group over an in-memory store (fsdp, a single process): torchft's Manager
+    connects to the group's store there, and nobody else serves it (on a port served already
+    torch reuses that server). None on a rank other than 0."""
+    from torch.distributed import rendezvous
+
+    if os.environ.get("RANK", "0") != "0" or not os.environ.get("MASTER_PORT"):
+        return None
+    store, _, _ = next(rendezvous("env://", rank=0, world_size=1))
+    return store
 
 
 def _dataset(run: Any) -> Any:
@@ -176,6 +220,8 @@ def _meet(run: Any, replica: int, timeout: float) -> None:
         open(os.path.join(folder, f"replica{replica}"), "w").close()
     deadline = time.monotonic() + timeout
     while len([f for f in os.listdir(folder) if f.startswith("replica")]) < int(count):
+        if run.stop_signal is not None:
+            return  # stopping: the loop's first check ends the fit
         if time.monotonic() > deadline:
             raise DistrunError(f"the replica groups did not all start within {timeout:g}s "
                                f"(--timeout); not all of the {count} did")
@@ -187,6 +233,23 @@ def _mark(name: str) -> None:
     spec = os.environ.get(BARRIER_ENV, "")
     if spec:
         open(os.path.join(spec.rpartition(":")[0], name), "w").close()
+
+
+def _marked(name: str) -> bool:
+    """Whether the launcher left the file ``name`` in the meeting folder."""
+    spec = os.environ.get(BARRIER_ENV, "")
+    return bool(spec) and os.path.exists(os.path.join(spec.rpartition(":")[0], name))
+
+
+def _resume_alone(run: Any, manager: Any, every: int) -> None:
+    """No live peer to heal from: take the run's newest checkpoint (a peer may have committed
+    a newer one since this group loaded its own at start), and torchft's step with it."""
+    loaded = run.hook.distrun_load_checkpoint(run=run, source="auto")
+    if loaded:
+        run.resumed_from = loaded
+        run.log.info("Resumed from %s at step %d (no live replica group to heal from)",
+                     loaded, run.progress.step)
+    manager.load_state_dict({"step": run.progress.step // every, "batches_committed": 0})
 
 
 def fit_ft(run: Any) -> Any:
@@ -204,10 +267,13 @@ def fit_ft(run: Any) -> Any:
     replica = int(os.environ.get(REPLICA_ENV, "0"))
     inner_rank, inner_world = run.strategy.dp_rank, run.strategy.dp_world_size
     own_group = not dist.is_initialized()
+    served = None  # the group's store, served while the fit runs
     if own_group:
         # A one-rank group (the strategy made no process group): the Manager still needs the
         # group's store, which rank 0 serves on the launcher's socket once a group forms.
         dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.timeout)))
+    elif dist.get_world_size() == 1:
+        served = _serve_group_store()
     if not cfg.debug:
         # torchft logs each peer failure with a traceback; the loop says it in one line
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
@@ -222,10 +288,16 @@ def fit_ft(run: Any) -> Any:
     orders: dict[int, torch.Tensor] = {}
     # A restarted group waits for a live peer to heal from: alone, it would train the run
     # again from its start (or its newest checkpoint) while the others are ahead or done.
-    replacement = int(os.environ.get(ATTEMPT_ENV, "0")) > 0 and \
-        int(os.environ.get(GROUPS_ENV, "1")) > 1
+    attempt = os.environ.get(ATTEMPT_ENV, "0")
+    replacement = int(attempt) > 0 and int(os.environ.get(GROUPS_ENV, "1")) > 1
+    state.joined = not replacement
+    validated_at = -1
+    stopped = False
     try:
         while run.progress.step < total and not run.done:
+            stopped = _stop_agreed(run)
+            if stopped:
+                break
             manager.start_quorum()
             _refuse_a_foreign_quorum(run, manager, replica)
             state.replica_rank = manager.participating_rank() or 0
@@ -233,10 +305,18 @@ def fit_ft(run: Any) -> Any:
             state.quorum_id = int(getattr(manager, "_quorum_id", -1))
             if replacement:
                 if state.participants == 1:
-                    time.sleep(0.05)
-                    continue
+                    # alone: a peer may still be live (wait to heal from it), unless the
+                    # launcher said none is (then this group goes on from the checkpoint)
+                    if not _agreed(run.strategy.rank == 0 and
+                                   _marked(mark_name("alone", replica, attempt))):
+                        time.sleep(0.05)
+                        continue
+                    _resume_alone(run, manager, every)
                 replacement = False
-                _mark(mark_name("joined", replica, os.environ.get(ATTEMPT_ENV, "0")))
+                state.joined = True
+                _mark(mark_name("joined", replica, attempt))
+                if state.participants == 1:
+                    continue  # a quorum at the step just loaded
             step = run.progress.step  # after a heal: the peers' step
 
             def samples(at: int) -> tuple[list[int], int]:
@@ -287,17 +367,24 @@ def fit_ft(run: Any) -> Any:
             epoch_ended = run.progress.step % per_epoch == 0
             if epoch_ended or _validation_due(run, step):
                 _validate(run)
+                validated_at = run.progress.step
             if epoch_ended:
                 run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
-            if run.stop_signal is not None or run.stop_requested:
+            if run.stop_requested:  # (a stop signal: agreed at the next step's start)
                 run.done = True
+        if not stopped:  # a signal during the last step: every rank of the group knows it
+            _stop_agreed(run)
         if run.stop_signal is None:  # trained to the end, or stopped early by the task
+            if window is None and validated_at != run.progress.step and \
+                    run.progress.step % per_epoch:
+                _validate(run)  # the last, partial epoch (as the core's loop does)
             # a failure from here on is the script's, not a lost group
-            _mark(mark_name("fitted", replica, os.environ.get(ATTEMPT_ENV, "0")))
+            _mark(mark_name("fitted", replica, attempt))
     finally:
         manager.shutdown(wait=False)
         if own_group:
             dist.destroy_process_group()
+        del served
     return run.progress
 
 
@@ -340,7 +427,7 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
         _validate(run)
     for epoch in ended:
         run.hook.distrun_on_epoch_end(run=run, epoch=epoch)
-    if run.stop_signal is not None or run.stop_requested:
+    if run.stop_requested:  # (a stop signal: agreed at the next window's start)
         run.done = True
 
 

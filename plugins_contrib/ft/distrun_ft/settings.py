@@ -18,12 +18,23 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from distrun.plugin import UsageError, interface_addresses, resolve_nproc
+from distrun.plugin import UsageError, interface_addresses, requested_degrees, resolve_nproc
 from distrun_ft.options import FtOptions
 
 __all__ = ["Timeouts", "check_launch", "lighthouse_here", "lighthouse_hostport", "sync_mode",
            "timeouts", "TORCHFT_PIN"]
 
+#: the strategies a replica group may run: torchft's commit holds the optimizer step back
+GROUP_STRATEGIES = ("auto", "single", "ddp", "fsdp")
+#: why the others are refused
+_UNSUPPORTED = {
+    "deepspeed": "DeepSpeed's engine reduces the gradients and steps its optimizer itself, "
+                 "so torchft never averages them across the groups and their weights drift "
+                 "apart",
+    "rpc": "its parameter servers and trainers are not replicas of one model",
+    "dp": "one process driving every GPU: use ddp, one process per device",
+    "tp": "tensor-parallel shards are not synced across the groups",
+}
 #: what ``pip install`` fixes a missing torchft with (the pin of pyproject.toml)
 TORCHFT_PIN = "torchft-nightly==2026.10.26"
 
@@ -103,6 +114,22 @@ def check_launch(config: Any) -> None:
     if str(config.strategy).startswith("pp") or int(config.get("pp", 0) or 0) > 1:
         raise UsageError(f"--ft does not support pipeline parallelism (--strategy "
                          f"{config.strategy}): use ddp or fsdp inside each replica group")
+    strategy = str(config.strategy)
+    if strategy not in GROUP_STRATEGIES:
+        why = _UNSUPPORTED.get(strategy, "the --ft loop syncs only the gradients of a ddp or "
+                               "an fsdp group")
+        raise UsageError(f"--ft does not support --strategy {strategy} ({why}): use ddp or "
+                         "fsdp inside each replica group")
+    degrees = {k: v for k, v in requested_degrees(config).items() if int(v) > 1}
+    if degrees:
+        name, degree = next(iter(degrees.items()))
+        raise UsageError(f"--ft does not support {name} parallelism ({name} degree {degree}): "
+                         "each rank of a group must hold the model or an fsdp shard of it; "
+                         f"leave the {name} degree out")
+    if config.get("zero"):
+        raise UsageError("--ft does not support --zero (ZeroRedundancyOptimizer steps and "
+                         "re-broadcasts the weights itself, outside torchft's commit): use "
+                         "--strategy fsdp to shard the optimizer state inside each group")
     if str(config.nnodes) not in ("1", "1:1"):
         raise UsageError("--ft starts this host's replica groups: run one `distrun run --ft "
                          "--ft-lighthouse URL` per host instead of --nnodes")

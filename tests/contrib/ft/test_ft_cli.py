@@ -26,7 +26,14 @@ def _closed_port() -> int:
      "cannot reach the torchft lighthouse at http://127.0.0.2"),
     (["--timeout", "8", "--ft-heartbeat", "2"], "--timeout 8 is too short for --ft-heartbeat 2"),
     (["--batch-size", "2"], "--batch-size 2 is smaller than the 4 ranks"),
-], ids=["max-restarts", "pipeline", "lighthouse-unreachable", "timeouts", "batch"])
+    (["--strategy", "deepspeed"], "--ft does not support --strategy deepspeed (DeepSpeed's"),
+    (["--strategy", "rpc"], "--ft does not support --strategy rpc"),
+    (["--strategy", "dp", "--nproc-per-node", "1"], "--ft does not support --strategy dp"),
+    (["--strategy", "tp"], "--ft does not support --strategy tp"),
+    (["--strategy", "fsdp", "--tp-size", "2"], "--ft does not support tp parallelism"),
+    (["--zero"], "--ft does not support --zero"),
+], ids=["max-restarts", "pipeline", "lighthouse-unreachable", "timeouts", "batch", "deepspeed",
+        "rpc", "dp", "tp", "fsdp-tp-size", "zero"])
 def test_refused_in_one_line(ft, tmp_path, extra, says):
     extra = [e.format(port=_closed_port()) for e in extra]
     r = run_cli("run", *BASE, *extra, "ft_task:Task", cwd=tmp_path, env=ft.env(tmp_path),

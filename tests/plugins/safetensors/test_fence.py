@@ -195,6 +195,52 @@ def test_a_relaunched_job_counting_rounds_from_1_again_still_commits(tmp_path):
     assert plain.generation == 7 and _latest(directory) == ("step-7", 7)
 
 
+def test_the_groups_of_one_launchers_round_share_its_generation(tmp_path, monkeypatch):
+    """`distrun run --ft`: replica groups of one launcher (one round) each start saving when
+    they are the lowest live replica, after the others restarted. They join the round's
+    generation, so a group that trained on alone is not fenced by its restarted peer; a start
+    of another launcher (or round) draws a newer one and fences them as before."""
+    from distrun.plugin import LAUNCHER_PID_ENV, RUN_KEY_ENV
+
+    directory = str(tmp_path / "ckpt")
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid()))  # a live launcher: our parent
+    monkeypatch.setenv(RUN_KEY_ENV, "run-a")
+    group1 = Checkpointer(directory)
+    _save(group1, 5)  # group 0 died: group 1 saves alone
+    group0 = Checkpointer(directory)  # group 0's replacement, healed, saves again
+    _save(group0, 10)
+    assert group0.generation == group1.generation == 1
+    _save(group1, 15)  # group 0 died again: group 1 alone, not stale
+    _save(group0, 20)
+    assert _latest(directory) == ("step-20", 1)
+    # a writer of the round that froze while the round went on never moves latest back
+    with pytest.raises(FencedError) as info:
+        _save(group1, 17)
+    assert str(info.value) == (
+        f"fenced: step 20 of this round is committed in {directory}; this writer's checkpoint "
+        "of step 17 is older (it was frozen or cut off while the run went on) and was not "
+        "committed")
+    assert _latest(directory) == ("step-20", 1)
+    rerun = Checkpointer(directory, rdzv_generation=1)  # another round of this launcher
+    _save(rerun, 25)
+    assert rerun.generation == 2
+    with pytest.raises(FencedError, match="round 2 has committed step 25; this node's round 1"):
+        _save(group1, 30)
+    monkeypatch.setenv(RUN_KEY_ENV, "run-b")  # another launch on the same folder
+    other = Checkpointer(directory, rdzv_generation=1)
+    _save(other, 30)
+    assert other.generation == 3
+    with pytest.raises(FencedError, match="this node's round 2 is stale"):
+        _save(rerun, 35)
+    monkeypatch.delenv(LAUNCHER_PID_ENV)  # no launcher: every start draws
+    first, second = Checkpointer(directory), Checkpointer(directory)
+    _save(first, 40)
+    _save(second, 45)
+    assert (first.generation, second.generation) == (4, 5)
+    with pytest.raises(FencedError, match="this node's round 4 is stale"):
+        _save(first, 50)
+
+
 def test_resume_prefers_the_newest_generation_then_the_newest_step(tmp_path, caplog):
     """Round 1 reached step 20; round 2 re-formed from step 10 and saved step 15. Even with
     `latest` moved back to round 1's step 20 (what a writer frozen past the lock's stale age
