@@ -88,9 +88,24 @@ def test_failing_worker_exit_code_and_last_lines(tmp_path):
     result = run_cli("run", "--nproc-per-node", "2", str(script), cwd=tmp_path)
     assert result.returncode == 7, result
     assert "rank 1 failed with exit code 7" in result.stderr
-    # its output was shown as it came: the report is one line naming the rank and its last line
-    assert "rank 1 failed with exit code 7: about to fail (its output is above)" in result.stderr
+    # its output was shown as it came: the report is one line naming the rank; a line on
+    # stdout is not an error, so it is named as its last line, not quoted as the reason
+    assert "distrun: rank 1 failed with exit code 7 and printed no error (its last line, " \
+        "above: about to fail)" in result.stderr.splitlines(), result
     assert time.monotonic() - start < 45  # the sleeping rank was stopped, not waited for
+
+
+def test_a_rank_killed_by_a_signal_is_said_so(tmp_path):
+    (tmp_path / "killed.py").write_text(
+        "import os, signal, sys\n"
+        "print('working', flush=True)\n"
+        "print('a warning on stderr', file=sys.stderr, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = run_cli("run", "killed.py", cwd=tmp_path, timeout=60)
+    assert result.returncode == 137, result
+    assert result.stderr.splitlines()[-1] == (
+        "distrun: rank 0 failed with exit code 137 (killed by SIGKILL): a warning on stderr "
+        "(its output is above)"), result
 
 
 def test_tee_prefixes_ranks(tmp_path):

@@ -115,6 +115,19 @@ def test_torch_s_rank_prefix_marks_the_failing_rank_s_traceback(tmp_path):
         in seen["distrun"][2], seen["distrun"][2]
 
 
+def test_an_interrupt_shows_the_script_s_frames_only(tmp_path):
+    """Ctrl-C inside the script (its KeyboardInterrupt) is reported as Python reports it: the
+    script's frames, none of the launcher's wrapper."""
+    (tmp_path / "interrupted.py").write_text("def work():\n    raise KeyboardInterrupt\nwork()\n")
+    seen = _both(["interrupted.py"], tmp_path)
+    for which, (rc, _out, err) in seen.items():
+        assert rc != 0, (which, err)
+        assert f'File "{tmp_path / "interrupted.py"}", line 2, in work' in err, (which, err)
+        assert "distrun/_train" not in err and "runpy" not in err.split("KeyboardInterrupt")[0] \
+            or which == "torchrun", (which, err)
+    assert seen["distrun"][0] == 130, seen["distrun"]
+
+
 BAR = """import os, sys, time
 from tqdm import tqdm
 go = sys.argv[1]

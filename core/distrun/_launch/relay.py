@@ -22,6 +22,7 @@ import collections
 import contextlib
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -315,12 +316,23 @@ def _line_ends(buf: str) -> list[int]:
     return ends
 
 
+def _signal_note(code: int) -> str:
+    """`` (killed by SIGKILL)`` for the shell's 128 + N exit codes of a signal's death."""
+    if 128 < code < 128 + signal.NSIG:
+        try:
+            return f" (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            return ""
+    return ""
+
+
 def report_failure(rank: RankLines, code: int, where: str = "",
                    same: Sequence[int] = ()) -> None:
     """Say once, in one line, that ``rank`` failed with exit ``code``.
 
-    Its output (a traceback, say) is already on the console, so the line names the rank and
-    its last line on stderr (its last line at all when it wrote nothing there); the last lines
+    Its output (a traceback, say) is already on the console, so the line names the rank, the
+    signal that killed it, and its last line on stderr (where it wrote nothing, that it printed
+    no error: its last line on stdout is named, not quoted as the reason); the last lines
     are repeated only for a rank whose output the console did not show (``--redirects``,
     ``--local-ranks-filter``). ``where`` (e.g. ``Ray node 10.0.0.5``) is added after the rank;
     ``same`` are the other ranks that failed with the same traceback
@@ -328,15 +340,23 @@ def report_failure(rank: RankLines, code: int, where: str = "",
     usage error: it was already said, in one line.
     """
     lines = [ln for ln in rank.tail if ln.strip()]
+    has_err_tail = hasattr(rank, "err_tail")
     errors = [ln for ln in getattr(rank, "err_tail", ()) if ln.strip()]
     last_line = _plain((errors or lines or [""])[-1]).strip()
     if last_line.startswith("error: "):
         return
     place = f" ({where})" if where else ""
-    head = f"distrun: rank {rank.rank}{place} failed with exit code {code}"
+    head = f"distrun: rank {rank.rank}{place} failed with exit code {code}{_signal_note(code)}"
     if not getattr(rank, "hidden", False):
-        last = f": {last_line[:200]}" if last_line else ""
-        notes = ["its output is above"] if last_line else []
+        notes = []
+        if errors or not has_err_tail:
+            last = f": {last_line[:200]}" if last_line else ""
+            if last_line:
+                notes.append("its output is above")
+        else:  # nothing on stderr: its last line is not an error, so it is not quoted as one
+            last = " and printed no error"
+            if last_line:
+                notes.append(f"its last line, above: {last_line[:160]}")
         if same:
             names = ", ".join(map(str, same))
             notes.append(f"rank{'s' if len(same) > 1 else ''} {names} failed the same way")

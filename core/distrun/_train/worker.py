@@ -142,9 +142,9 @@ def _run_as_main(run: str, name: str) -> None:
             runpy.run_path(name, run_name="__main__")
         else:
             runpy.run_module(name, run_name="__main__", alter_sys=True)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
-    except BaseException as exc:
+    except BaseException as exc:  # Ctrl-C's KeyboardInterrupt too, as Python reports it
         tb = exc.__traceback__
         # by file, not __name__: under `python -m distrun._train.worker` this module's and the
         # user's script's frames are both "__main__"
@@ -152,7 +152,8 @@ def _run_as_main(run: str, name: str) -> None:
                 __file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next
         _report_uncaught(type(exc), exc.with_traceback(tb), tb)
-        raise SystemExit(1) from None
+        raise SystemExit(128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1) \
+            from None
 
 
 def _run_file(name: str) -> None:

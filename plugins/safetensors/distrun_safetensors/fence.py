@@ -104,8 +104,12 @@ class CommitLock:
         fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
         try:  # not fsynced: a record lost in a crash is judged by its age like any other
             os.write(fd, json.dumps(record).encode())
-        finally:
+        except OSError:  # a full disk: no attempt of ours is left behind
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(mine)
+            raise
+        os.close(fd)
         started = time.monotonic()
         seen: tuple[str, float] | None = None  # (token of the lock seen, since when)
         pause = 0.01

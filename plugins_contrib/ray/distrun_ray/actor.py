@@ -8,6 +8,7 @@ stops it. The subprocess dies with the actor (PR_SET_PDEATHSIG on Linux).
 
 from __future__ import annotations
 
+import codecs
 import collections
 import ctypes
 import os
@@ -86,8 +87,8 @@ class RankHost:
         try:
             self.proc = subprocess.Popen(
                 argv, env=full_env, cwd=cwd if os.path.isdir(cwd) else None,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                errors="replace", preexec_fn=_die_with_parent, pass_fds=fds,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                preexec_fn=_die_with_parent, pass_fds=fds,
             )
         finally:
             if self.store is not None:
@@ -99,12 +100,16 @@ class RankHost:
             t.start()
         return self.proc.pid
 
-    def _read(self, name: str, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append((name, line))
+    def _read(self, name: str, stream: IO[bytes]) -> None:
+        """Queue the worker's output as it comes (pieces of lines too: a ``\\r`` redraw)."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := stream.read(1 << 16):
+            self.lines.append((name, decoder.decode(chunk)))
+        if rest := decoder.decode(b"", final=True):
+            self.lines.append((name, rest))
 
     def poll(self) -> tuple[list[tuple[str, str]], int | None]:
-        """New output lines since the last poll, and the exit code once the worker is done."""
+        """New output since the last poll, and the exit code once the worker is done."""
         code = None if self.proc is None else self.proc.poll()
         if code is not None:
             for t in self.readers:  # all lines are read before the exit is reported

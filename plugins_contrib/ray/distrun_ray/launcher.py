@@ -171,8 +171,11 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | 
                 lines, code = ray.get(r.actor.poll.remote(), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 r.lost, lines, code = type(exc).__name__, [], -int(signal.SIGKILL)
-            for stream, line in lines:
-                relay.emit(r, line, sys.stdout if stream == "out" else sys.stderr)
+            for stream, text in lines:
+                relay.emit(r, text, sys.stdout if stream == "out" else sys.stderr)
+            if code is not None:  # its output is over: a last line without its newline too
+                relay.flush(r, sys.stdout)
+                relay.flush(r, sys.stderr)
             r.code = code
         failed = [r for r in ranks if r.code not in (None, 0)]
         if failed and stop.signum is None:
