@@ -7,13 +7,12 @@ there is no room for.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from distrun import testing
 from distrun._loggers.csv_file import read_metrics
 from distrun.testing import run_cli
 
@@ -28,18 +27,8 @@ WARNING = "warning: cannot write run/metrics.csv (No space left on device) at st
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """``tmp_path/run``: a 64 KiB tmpfs, unmounted at the end."""
-    folder = tmp_path / "run"
-    folder.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
+    with testing.small_disk(tmp_path / "run", "64k") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def _run(folder: Path, **env: str):

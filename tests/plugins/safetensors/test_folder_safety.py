@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from st_layouts import build, reseal, train_step
 
+from distrun import testing
 from distrun.testing import run_cli
 
 HERE = Path(__file__).resolve().parent
@@ -84,18 +85,10 @@ def test_a_run_that_does_not_continue_a_folder_of_checkpoints_is_refused(tmp_pat
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real tmpfs of :data:`SMALL_DISK` (root only), unmounted when the test ends."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs",
-                           str(disk)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    request.addfinalizer(lambda: subprocess.run(["umount", str(disk)], check=True))
-    return disk
+    with testing.small_disk(tmp_path / "disk", SMALL_DISK) as disk:
+        yield disk
 
 
 @pytest.mark.slow
@@ -123,18 +116,10 @@ def test_a_full_checkpoint_folder_stops_the_run_in_one_line_and_latest_stays(sma
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MB tmpfs (root only), unmounted when the test ends."""
-    disk = tmp_path / "tmpfs"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    request.addfinalizer(lambda: subprocess.run(["umount", str(disk)], check=True))
-    return disk
+    with testing.small_disk(tmp_path / "tmpfs", "1m") as disk:
+        yield disk
 
 
 def test_a_disk_full_at_any_point_of_a_save_leaves_the_previous_checkpoint(tmpfs):
@@ -320,19 +305,11 @@ def test_inspect_says_it_did_not_verify_the_data_and_verify_finds_the_flip(cli, 
 
 
 @pytest.fixture
-def read_only(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+def read_only(tmp_path: Path) -> Iterator[Path]:
     """A real read-only filesystem (a tmpfs remounted ro; root only), unmounted at the end."""
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    request.addfinalizer(lambda: subprocess.run(["umount", str(disk)], check=True))
-    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    yield disk
+    with testing.small_disk(tmp_path / "ro", "1m") as disk:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        yield disk
 
 
 def test_consolidate_into_a_read_only_folder_is_one_line(cli, ckpts, read_only):
