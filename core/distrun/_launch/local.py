@@ -234,8 +234,11 @@ class WorkerGroup:
                     continue
                 failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
                 if failed:
-                    first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15), w.rank))
-                    self.stop(grace=5.0)
+                    self.stop(grace=5.0)  # its relays joined: when each rank ended is known
+                    # the cause, not a rank that lost its peer when it died: of those that
+                    # failed by themselves (not a signal), the first to end
+                    first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15),
+                                                       self.relay.ended_at(w.rank), w.rank))
                     return exit_code(first.proc.returncode), first
                 if all(c == 0 for c in codes):
                     self._join_relays()

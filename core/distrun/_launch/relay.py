@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import math
 import os
 import re
 import signal
@@ -102,6 +103,8 @@ class Relay:
         #: the last traceback of each rank
         self._last_traceback: dict[int, tuple[str, ...]] = {}
         self._log_warned = False
+        #: when each (rank, stream) piped by :meth:`pipe` reached its end
+        self._ended: dict[tuple[int, int], float] = {}
 
     def emit(self, rank: RankLines, text: str, dst: IO[str]) -> None:
         """Relay output of ``rank`` bound for ``dst``: a line, several, or any part of one.
@@ -138,6 +141,13 @@ class Relay:
             self._console(rank, rest[shown:], dst, line_start=shown == 0)
         with self.lock:
             self._write(rank, self._pending.pop(key, []), dst)
+
+    def ended_at(self, rank: int) -> float:
+        """When the last of ``rank``'s piped streams ended (about when it exited: the order
+        in which ranks died, which one poll of their exit codes cannot tell); ``inf`` while
+        one is open."""
+        ends = [t for (r, _), t in self._ended.items() if r == rank]
+        return max(ends) if len(ends) >= 2 else math.inf
 
     def same_failure(self, rank: int) -> list[int]:
         """The other ranks whose last traceback was the same as ``rank``'s (not printed
@@ -255,6 +265,7 @@ class Relay:
                 self._guarded(rank, decoder.decode(chunk, final=not chunk), dst)
                 if not chunk:
                     break
+            self._ended[(rank.rank, id(dst))] = time.monotonic()
             self._guarded(rank, None, dst)
             src.close()
 

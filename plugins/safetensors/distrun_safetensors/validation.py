@@ -140,11 +140,12 @@ def _check_state(folder: str, name: str, tensors: str | None, ckpt: Checkpoint,
 #: the loop's counters in the contributed state, as the core saves them: name -> (counters a
 #: resume sets, which of them must be there). All are whole numbers >= 0 but the seed, any
 #: whole number; a forged or edited value (a step of -5) would otherwise set the loop to it.
+#: (An IterableDataset's ``stream`` state is its DataLoader's own, whose shape depends on the
+#: loader and its workers: its loader checks it.)
 _COUNTERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "progress": (("epoch", "step", "micro_step", "samples", "batch_idx"), ()),
     "sampler": (("epoch", "cursor", "dataset_len", "batch_size", "seed"),
                 ("epoch", "cursor", "dataset_len", "seed")),
-    "stream": (("read", "shards"), ("read", "shards")),
 }
 
 

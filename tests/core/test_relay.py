@@ -1,0 +1,61 @@
+"""The output relay on real pipes: pieces of lines, redraws, and the order in which ranks ended
+(the launches that use it are tested in test_launch.py and test_torchrun_habits.py)."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+
+from distrun._launch.relay import RankOutput, Relay
+
+
+def _piped(relay: Relay, rank: RankOutput, out: io.StringIO, err: io.StringIO):
+    """Two real pipes into ``relay`` for ``rank``: their write ends."""
+    ends = []
+    threads = []
+    for dst in (out, err):
+        r, w = os.pipe()
+        threads.append(relay.pipe(rank, os.fdopen(r, "rb", buffering=0), dst))
+        ends.append(w)
+    return ends, threads
+
+
+def test_the_rank_that_ended_first_is_known_after_both_ended():
+    """Two ranks whose exits one poll sees together: the relay knows which one's streams
+    closed first (the launcher names that one, not the rank that lost its peer)."""
+    relay = Relay()
+    out, err = io.StringIO(), io.StringIO()
+    first, second = RankOutput(1), RankOutput(0)
+    ends1, threads1 = _piped(relay, first, out, err)
+    ends0, threads0 = _piped(relay, second, out, err)
+    os.write(ends1[1], b"ValueError: the cause\n")
+    for fd in ends1:
+        os.close(fd)
+    for t in threads1:
+        t.join(5)
+    assert math.isinf(relay.ended_at(0))  # still open
+    time.sleep(0.01)
+    os.write(ends0[1], b"RuntimeError: Connection closed by peer\n")
+    for fd in ends0:
+        os.close(fd)
+    for t in threads0:
+        t.join(5)
+    assert relay.ended_at(1) < relay.ended_at(0) < math.inf
+
+
+def test_redraws_pass_through_and_whole_lines_stay_whole():
+    relay = Relay(tee=True)
+    out, err = io.StringIO(), io.StringIO()
+    rank = RankOutput(0)
+    relay.emit(rank, "\r0/3", err)
+    assert err.getvalue() == "[rank0]: \r[rank0]: 0/3"  # shown as it came
+    relay.emit(rank, "\r1/3\r2/3", err)
+    relay.emit(rank, "\n", err)
+    assert err.getvalue() == "[rank0]: \r[rank0]: 0/3\r[rank0]: 1/3\r[rank0]: 2/3\n"
+    assert list(rank.tail) == ["2/3"]  # what the terminal shows of that line
+    relay.emit(rank, "a line ", out)  # print()'s pieces: held until the line is whole
+    assert out.getvalue() == ""
+    relay.emit(rank, "in pieces\n", out)
+    assert out.getvalue() == "[rank0]: a line in pieces\n"
