@@ -22,27 +22,45 @@ def _piped(relay: Relay, rank: RankOutput, out: io.StringIO, err: io.StringIO):
     return ends, threads
 
 
-def test_the_rank_that_ended_first_is_known_after_both_ended():
-    """Two ranks whose exits one poll sees together: the relay knows which one's streams
-    closed first (the launcher names that one, not the rank that lost its peer)."""
+def test_the_rank_that_failed_first_is_known_after_both_ended():
+    """Two ranks whose exits one poll sees together: the relay knows which failed first (the
+    launcher names that one, not the rank that lost its peer): by its streams' end, or by its
+    traceback when it printed one before its exit handlers finished."""
     relay = Relay()
     out, err = io.StringIO(), io.StringIO()
     first, second = RankOutput(1), RankOutput(0)
     ends1, threads1 = _piped(relay, first, out, err)
     ends0, threads0 = _piped(relay, second, out, err)
-    os.write(ends1[1], b"ValueError: the cause\n")
+    os.write(ends1[1], b"the cause\n")
     for fd in ends1:
         os.close(fd)
     for t in threads1:
         t.join(5)
-    assert math.isinf(relay.ended_at(0))  # still open
+    assert math.isinf(relay.failed_at(0))  # still open
     time.sleep(0.01)
     os.write(ends0[1], b"RuntimeError: Connection closed by peer\n")
     for fd in ends0:
         os.close(fd)
     for t in threads0:
         t.join(5)
-    assert relay.ended_at(1) < relay.ended_at(0) < math.inf
+    assert relay.failed_at(1) < relay.failed_at(0) < math.inf
+    # rank 3 prints its traceback, rank 2 (its peer) fails after it, rank 3's streams close last
+    late, victim = RankOutput(3), RankOutput(2)
+    ends3, threads3 = _piped(relay, late, out, err)
+    ends2, threads2 = _piped(relay, victim, out, err)
+    os.write(ends3[1], b"Traceback (most recent call last):\n  File \"x.py\"\nValueError: x\n")
+    time.sleep(0.05)
+    os.write(ends2[1], b"RuntimeError: Connection closed by peer\n")
+    for fd in ends2:
+        os.close(fd)
+    for t in threads2:
+        t.join(5)
+    time.sleep(0.01)
+    for fd in ends3:
+        os.close(fd)
+    for t in threads3:
+        t.join(5)
+    assert relay.failed_at(3) < relay.failed_at(2) < math.inf
 
 
 def test_redraws_pass_through_and_whole_lines_stay_whole():

@@ -85,11 +85,14 @@ def hook(kind, value, tb):
 sys.excepthook = hook
 raise ValueError("from the script")
 """
-RANKED = """import torch.distributed as dist
+# rank 0 waits outside any collective: which rank failed first is then not a race between
+# rank 1's error and rank 0's "connection closed" (both launchers stop rank 0 by a signal)
+RANKED = """import time
+import torch.distributed as dist
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     raise ValueError("rank one fails")
-dist.barrier()
+time.sleep(120)
 """
 
 

@@ -234,11 +234,14 @@ class WorkerGroup:
                     continue
                 failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
                 if failed:
-                    self.stop(grace=5.0)  # its relays joined: when each rank ended is known
-                    # the cause, not a rank that lost its peer when it died: of those that
-                    # failed by themselves (not a signal), the first to end
+                    self.stop(grace=5.0)  # its relays joined: when each rank failed is known
+                    # The cause, not a rank that lost its peer when it died: of every rank that
+                    # failed (the cause may still have been in its exit handlers at the poll,
+                    # and ends during the stop), those that failed by themselves (not by a
+                    # signal) first, and of those the first to show its failure.
+                    failed = [w for w in self.workers if w.proc.returncode != 0]
                     first = min(failed, key=lambda w: (w.proc.returncode in (-9, -15),
-                                                       self.relay.ended_at(w.rank), w.rank))
+                                                       self.relay.failed_at(w.rank), w.rank))
                     return exit_code(first.proc.returncode), first
                 if all(c == 0 for c in codes):
                     self._join_relays()

@@ -105,6 +105,8 @@ class Relay:
         self._log_warned = False
         #: when each (rank, stream) piped by :meth:`pipe` reached its end
         self._ended: dict[tuple[int, int], float] = {}
+        #: when each rank's first traceback was complete
+        self._first_traceback: dict[int, float] = {}
 
     def emit(self, rank: RankLines, text: str, dst: IO[str]) -> None:
         """Relay output of ``rank`` bound for ``dst``: a line, several, or any part of one.
@@ -142,12 +144,15 @@ class Relay:
         with self.lock:
             self._write(rank, self._pending.pop(key, []), dst)
 
-    def ended_at(self, rank: int) -> float:
-        """When the last of ``rank``'s piped streams ended (about when it exited: the order
-        in which ranks died, which one poll of their exit codes cannot tell); ``inf`` while
-        one is open."""
+    def failed_at(self, rank: int) -> float:
+        """When ``rank`` first showed a failure: its first complete traceback, else the end
+        of its piped streams (about its exit); ``inf`` when neither is known. The order in
+        which ranks failed, which one poll of their exit codes cannot tell: a rank that loses
+        its peer reports it after the peer's own error (and a dying rank's exit handlers can
+        outlast its peer's report)."""
         ends = [t for (r, _), t in self._ended.items() if r == rank]
-        return max(ends) if len(ends) >= 2 else math.inf
+        ended = max(ends) if len(ends) >= 2 else math.inf
+        return min(self._first_traceback.get(rank, math.inf), ended)
 
     def same_failure(self, rank: int) -> list[int]:
         """The other ranks whose last traceback was the same as ``rank``'s (not printed
@@ -245,6 +250,7 @@ class Relay:
         if plain[:1] in (" ", "\t"):
             return []  # a frame: the block goes on
         del self._pending[key]  # the exception's line ends it
+        self._first_traceback.setdefault(rank.rank, time.monotonic())
         text = tuple(_plain(ln) for ln in block)
         self._last_traceback[rank.rank] = text
         ranks = self._tracebacks.setdefault(text, [])
