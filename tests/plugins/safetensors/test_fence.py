@@ -221,9 +221,9 @@ def test_the_groups_of_one_launchers_round_share_its_generation(tmp_path, monkey
         "of step 17 is older (it was frozen or cut off while the run went on) and was not "
         "committed")
     assert _latest(directory) == ("step-20", 1)
-    rerun = Checkpointer(directory, rdzv_generation=1)  # another round of this launcher
-    _save(rerun, 25)
-    assert rerun.generation == 2
+    next_round = Checkpointer(directory, rdzv_generation=1)  # another round of this launcher
+    _save(next_round, 25)
+    assert next_round.generation == 2
     with pytest.raises(FencedError, match="round 2 has committed step 25; this node's round 1"):
         _save(group1, 30)
     monkeypatch.setenv(RUN_KEY_ENV, "run-b")  # another launch on the same folder
@@ -231,7 +231,7 @@ def test_the_groups_of_one_launchers_round_share_its_generation(tmp_path, monkey
     _save(other, 30)
     assert other.generation == 3
     with pytest.raises(FencedError, match="this node's round 2 is stale"):
-        _save(rerun, 35)
+        _save(next_round, 35)
     monkeypatch.delenv(LAUNCHER_PID_ENV)  # no launcher: every start draws
     first, second = Checkpointer(directory), Checkpointer(directory)
     _save(first, 40)
