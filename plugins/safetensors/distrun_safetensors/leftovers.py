@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from distrun_safetensors.files import fsync_dir
+
 __all__ = ["LOCK_SUFFIX", "TMP_PREFIX", "TRASH_PREFIX", "Leftover", "claim", "discard",
            "find_leftovers", "find_trash", "remove", "sweep_stale"]
 
@@ -191,16 +193,8 @@ def discard(path: str) -> None:
         os.rename(path, trash)
     except FileNotFoundError:
         return
-    _sync(directory)  # the rename is on disk before the first file of the folder goes
+    fsync_dir(directory)  # the rename is on disk before the first file of the folder goes
     _delete(trash)
-
-
-def _sync(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _delete(path: str) -> None:

@@ -55,8 +55,8 @@ def _tree(root: Path) -> dict[str, float]:
 def test_a_run_that_does_not_continue_a_folder_of_checkpoints_is_refused(tmp_path):
     """Run a's checkpoints in a shared --ckpt-dir: run b, fresh, would have written its step-1..3
     there and moved `latest` (a's `--resume auto` then loaded b's step-3 and pruned its own).
-    It is refused in one line before it trains, and so is a rerun of a without --resume (the
-    folder cannot tell a rerun from a stranger); a's --resume auto continues."""
+    It is refused in one line before it trains, and so is a second start of a without --resume
+    (the folder cannot tell it from a stranger); a's --resume auto continues."""
     shared = tmp_path / "shared"
     first = _train(tmp_path / "a", "--max-steps", "4", "--ckpt-dir", str(shared))
     assert first.returncode == 0, first
