@@ -142,7 +142,7 @@ for i in range(3):
             time.sleep(0.02)
     bar.update(1)
 bar.close()
-print("done", flush=True)
+print("done", file=sys.stderr, flush=True)  # the bar's stream: stdout is another pipe
 """
 
 

@@ -68,6 +68,8 @@ class RankOutput:
 #: the line that opens a Python traceback; the block ends at the first line not indented
 _TRACEBACK = "Traceback (most recent call last):"
 _CHUNK = 1 << 16
+#: the end of a line, or of a redraw (a carriage return not part of a \r\n)
+_PIECE_END = re.compile(r"\n|\r(?=[^\n])")
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)?\d+\]:\s?")
 
 
@@ -326,11 +328,7 @@ class Relay:
 def _line_ends(buf: str) -> list[int]:
     """Where the ended pieces of ``buf`` end: after each ``\\n``, and after each ``\\r``
     that is neither the last character (a ``\\n`` may follow) nor followed by ``\\n``."""
-    ends = []
-    for i, ch in enumerate(buf):
-        if ch == "\n" or (ch == "\r" and i + 1 < len(buf) and buf[i + 1] != "\n"):
-            ends.append(i + 1)
-    return ends
+    return [m.end() for m in _PIECE_END.finditer(buf)]
 
 
 def _signal_note(code: int) -> str:
