@@ -33,6 +33,16 @@ from distrun._launch.binding import resolve as resolve_host
 from distrun._launch.exits import ExitWatch, exit_code
 from distrun._launch.folder_lock import RUN_KEY_ENV, new_run_key
 from distrun._launch.generation import GENERATION_ENV
+from distrun._launch.group import (
+    STOP_GRACE,
+    NodeRanks,
+    WorkerGroup,
+    WorkerOutputs,
+    node_services,
+    torchrun_env,
+    wait_with_signals,
+    worker_outputs,
+)
 from distrun._launch.lifeline import (
     LAUNCHER_PID_ENV,
     die_with_launcher,
@@ -41,7 +51,7 @@ from distrun._launch.lifeline import (
     pid_alive,
     pid_start_time,
 )
-from distrun._launch.local import STOP_GRACE, resolve_nproc, torchrun_env, warn_oversubscribed
+from distrun._launch.local import resolve_nproc, warn_oversubscribed
 from distrun._launch.ports import free_port
 from distrun._launch.reaper import reaped
 from distrun._launch.relay import RankOutput, Relay, new_tail, report_failure
@@ -61,6 +71,7 @@ from distrun._spec.keys import (
     UNEVEN_EPOCH,
 )
 from distrun._spec.markers import API_VERSION, hookimpl, hookspec
+from distrun._spec.node import NodeService
 from distrun._spec.options import Option, PluginOptions, option, plugin_options
 from distrun._spec.stash import Stash, StashKey
 from distrun._spec.strategy import SetupView, Strategy, StrategyInfo
@@ -74,8 +85,8 @@ if TYPE_CHECKING:
     from distrun._train.sampler import epoch_permutation
     from distrun._train.schedulers import load_scheduler_states, scheduler_states
     from distrun._train.step_sync import STEP_SYNC
-    from distrun._train.store_host import host_launcher_store, serve_store
     from distrun._train.tensors import to_cpu
+    from distrun._worker.store import host_launcher_store, serve_store
 
 __all__ = [
     # hooks and the API version
@@ -97,6 +108,8 @@ __all__ = [
     "STOP_GRACE", "STORE_FD_ENV", "bind_address", "fresh_run_folder", "interface_addresses",
     "listen_socket", "new_run_key", "resolve_host", "resolve_nproc", "resolve_run_config",
     "server_env", "torchrun_env", "warn_oversubscribed", "free_port",
+    "NodeRanks", "NodeService", "WorkerGroup", "WorkerOutputs", "node_services",
+    "wait_with_signals", "worker_outputs",
     "host_launcher_store", "serve_store", "WarmPool", "WarmProcess", "warm_command",
     # worker output
     "RankOutput", "Relay", "new_tail", "report_failure",
@@ -119,8 +132,8 @@ _LAZY = {
     "load_scheduler_states": "distrun._train.schedulers",
     "scheduler_states": "distrun._train.schedulers",
     "STEP_SYNC": "distrun._train.step_sync",
-    "host_launcher_store": "distrun._train.store_host",
-    "serve_store": "distrun._train.store_host",
+    "host_launcher_store": "distrun._worker.store",
+    "serve_store": "distrun._worker.store",
     "to_cpu": "distrun._train.tensors",
     "epoch_permutation": "distrun._train.sampler",
 }

@@ -318,7 +318,7 @@ def test_an_import_error_on_one_rank_is_its_traceback_once_then_one_line(tmp_pat
     # the user's frames only, named as `python imports.py` names them (an absolute path):
     # none of the wrapper that ran the script
     assert f'File "{work / "imports.py"}", line 4, in <module>' in err, result
-    assert "runpy" not in err and "distrun/_train/worker.py" not in err, result
+    assert "runpy" not in err and "distrun/_worker/main.py" not in err, result
     assert sorted(os.listdir(work)) == ["imports.py", "task.py"]  # a plain script: nothing
 
 

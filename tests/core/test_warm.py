@@ -12,16 +12,16 @@ import pytest
 
 from distrun.plugin import WarmPool, pid_alive, warm_command
 
-WORKER = [sys.executable, "-u", "-m", "distrun._train.worker"]
+WORKER = [sys.executable, "-u", "-m", "distrun._worker.main"]
 
 
 def test_warm_command_is_the_zygote_with_the_workers_interpreter_and_flags():
     assert warm_command([*WORKER, "--script", "a.py"]) == [
-        sys.executable, "-u", "-m", "distrun._train.zygote"]
-    assert warm_command(["/bin/true", "-m", "distrun._train.worker"]) == [
-        "/bin/true", "-m", "distrun._train.zygote"]
+        sys.executable, "-u", "-m", "distrun._worker.zygote"]
+    assert warm_command(["/bin/true", "-m", "distrun._worker.main"]) == [
+        "/bin/true", "-m", "distrun._worker.zygote"]
     assert warm_command(["torchrun", "a.py"]) is None
-    assert warm_command([sys.executable, "-X", "dev", "-m", "distrun._train.worker"]) is None
+    assert warm_command([sys.executable, "-X", "dev", "-m", "distrun._worker.main"]) is None
     with pytest.raises(ValueError, match="not a distrun worker command"):
         WarmPool(["./run.sh"], 1)
 

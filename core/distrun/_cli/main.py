@@ -163,7 +163,7 @@ def build_cli(pm: Any, blocked: Sequence[str] = (), extra: Sequence[str] = ()) -
 def _worker_command(target: str, args: list[str], as_module: bool) -> list[str]:
     # Every target runs inside the worker entry point: it dies with the launcher and tears
     # down a process group the target left behind before Python finalizes.
-    py = [sys.executable, "-u", "-m", "distrun._train.worker"]
+    py = [sys.executable, "-u", "-m", "distrun._worker.main"]
     if as_module:
         return [*py, "--module", target, *args]
     if target.endswith(".py"):

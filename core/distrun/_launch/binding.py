@@ -7,7 +7,7 @@ address they all bind; the launcher hands it to its workers as :data:`BIND_ENV`,
 interface variables gloo and tensorpipe read (:func:`server_env`), and binds the store's
 socket itself (:func:`listen_socket`): torch's TCPStore takes no bind address, only a socket
 already bound (``master_listen_fd``), which the worker that hosts the store receives as
-:data:`STORE_FD_ENV` (:mod:`distrun._train.store_host`).
+:data:`STORE_FD_ENV` (:mod:`distrun._worker.store`).
 
 One node: 127.0.0.1 (or the address ``--master-addr`` gives). Several nodes: this node's
 address on the network the nodes share: ``--local-addr`` when given, else the address of this

@@ -1,12 +1,12 @@
 """Warm starts: a launcher's spare per local rank that forks its workers (torch-free).
 
-:class:`WarmPool` starts one zygote (:mod:`distrun._train.zygote`) per local rank, from the
+:class:`WarmPool` starts one zygote (:mod:`distrun._worker.zygote`) per local rank, from the
 launcher's main thread, with the environment and working directory the workers inherit. Once it
 has imported torch, :meth:`WarmPool.spawn` turns a worker command line into a forked worker in
 a few milliseconds instead of a new interpreter that imports torch again, and returns a
 :class:`WarmProcess`, which a launcher uses as it would the ``subprocess.Popen`` of a cold start
 (``pid``, ``poll``, ``wait``, ``send_signal``, ``returncode``). Where a zygote cannot serve
-(gone, refused, still importing, not a ``python -m distrun._train.worker`` command),
+(gone, refused, still importing, not a ``python -m distrun._worker.main`` command),
 :meth:`~WarmPool.spawn` returns None and the launcher starts the worker cold.
 
 The forked worker is a session leader, like a cold one (``os.killpg(proc.pid, sig)`` reaches
@@ -34,15 +34,15 @@ from distrun._launch.lifeline import LAUNCHER_PID_ENV, die_with_parent
 
 __all__ = ["WarmPool", "WarmProcess", "warm_command"]
 
-ZYGOTE_MODULE = "distrun._train.zygote"
-WORKER_MODULE = "distrun._train.worker"
+ZYGOTE_MODULE = "distrun._worker.zygote"
+WORKER_MODULE = "distrun._worker.main"
 #: seconds a start waits for a zygote that is still importing torch before starting cold
 READY_TIMEOUT = 120.0
 
 
 def warm_command(command: Sequence[str]) -> list[str] | None:
     """The zygote's command line for a worker ``command`` (same interpreter and flags), or None
-    when ``command`` is not ``PYTHON [FLAGS] -m distrun._train.worker ...``."""
+    when ``command`` is not ``PYTHON [FLAGS] -m distrun._worker.main ...``."""
     args = list(command)
     for i in range(1, len(args) - 1):
         if args[i] == "-m" and args[i + 1] == WORKER_MODULE:

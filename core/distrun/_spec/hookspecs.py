@@ -18,7 +18,8 @@ Conventions (as in pytest and pluggy):
   ``run.state``; the setup hooks may replace the model, optimizer, scheduler and loaders.
 
 Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
-``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch``. In each
+``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch`` (whose
+worker groups ask ``node_services``). In each
 worker (``register_backends`` when the strategy makes its process group)::
 
     register_options -> configure -> register_strategies -> [register_backends]
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from distrun._config.run_config import RunConfig
     from distrun._spec.backends import BackendInfo
     from distrun._spec.cluster import ClusterEnv
+    from distrun._spec.node import NodeService
     from distrun._spec.options import Option, PluginOptions
     from distrun._spec.strategy import StrategyInfo
     from distrun._train.run import Run
@@ -188,13 +190,27 @@ def distrun_launch(config: RunConfig, command: list[str], environ: dict[str, str
     returns None otherwise; the core's local launcher runs last.
 
     :param config: the resolved run config (``config.nproc_per_node`` etc.).
-    :param command: the worker command line (``python -u -m distrun._train.worker`` and the
+    :param command: the worker command line (``python -u -m distrun._worker.main`` and the
         target with its arguments).
     :param environ: the base environment for workers (``DISTRUN_CONFIG`` included); the launcher
         adds torchrun's variables per worker.
     :param cluster: what ``distrun_detect_cluster`` answered for this launch (asked once, in
         the launcher, before the config was resolved).
     :return: the exit code of the run (the first failing worker's, else 0).
+    """
+
+
+@hookspec
+def distrun_node_services(config: RunConfig) -> NodeService | None:
+    """A service to run beside this node's ranks, or None.
+
+    Asked in the launcher by each worker group the launcher makes (the local launcher, the
+    elastic agent, distrun-ft's replica groups), before its first start. The group calls the
+    service's ``started(group)`` after each start of its workers and ``ended(group)`` once they
+    have all ended (a restart is an end, then a start). Must not import torch.
+
+    :param config: the resolved run config.
+    :return: a :class:`~distrun.plugin.NodeService`, or None to add nothing for this run.
     """
 
 

@@ -1,9 +1,13 @@
 """Run this node's workers under torch.distributed.elastic's agent (imports torch).
 
 This mirrors ``torch.distributed.launcher.api.launch_agent`` (rendezvous handler, worker spec,
-``LocalElasticAgent``) with three changes a subclass of the agent makes, and warm starts
-(:mod:`distrun_elastic.warm`: every start of a task's workers, and every restart of a script's,
-forked from a spare per local rank that has imported torch, unless ``--no-warm-restart``):
+``LocalElasticAgent``): torch's agent decides when the workers start, stop and restart (the
+rendezvous, its restart budget, the exit barrier); the workers themselves are the core's
+:class:`distrun.plugin.WorkerGroup`, as under every distrun launcher (torchrun's environment,
+output relayed from pipes with ``--tee``'s prefix, ``--log-dir``'s ``rank<N>.log``, warm
+starts: every start of a task's workers, and every restart of a script's, forked from a spare
+per local rank that has imported torch, unless ``--no-warm-restart``). Three changes a
+subclass of the agent makes:
 
 - when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
   SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
@@ -30,18 +34,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
@@ -57,22 +60,22 @@ from distrun.plugin import (
     GENERATION_ENV,
     LAUNCHER_PID_ENV,
     DistrunError,
-    ExitWatch,
+    NodeRanks,
+    Relay,
     UsageError,
     WarmPool,
+    WorkerGroup,
+    WorkerOutputs,
     exit_code,
     interface_addresses,
     listen_socket,
-    report_failure,
     resolve_host,
     serve_store,
     server_env,
     warm_command,
 )
 from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
-from distrun_elastic.relay import Relay
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
-from distrun_elastic.warm import fork_workers_warm, forking_from
 
 __all__ = ["launch_elastic"]
 
@@ -82,7 +85,7 @@ _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 #: phrases of a rank that failed because a peer died first (not the root cause)
 _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 #: the module every worker ``distrun run`` starts runs (a task, --script or --module after it)
-WORKER_MODULE = "distrun._train.worker"
+WORKER_MODULE = "distrun._worker.main"
 
 
 #: the signal the heartbeat thread sends the agent's main thread when the store is lost
@@ -114,36 +117,26 @@ class CutOff(Exception):
             f"{EXIT_REQUEUE}: relaunch this node to rejoin the run")
 
 
-class RelayLogsSpecs(DefaultLogsSpecs):
-    """Workers write into per-attempt files; the relay follows them (rank-prefixed on --tee)."""
-
-    def __init__(self, relay: Relay, log_dir: str) -> None:
-        super().__init__(log_dir=log_dir or None, redirects=Std.ALL, tee=Std.NONE)
-        self.relay = relay
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
-        dest = super().reify(envs)
-        self.relay.next_attempt({
-            int(env["RANK"]): (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
-            for lr, env in envs.items()
-        })
-        return dest
-
-
 class DistrunAgent(LocalElasticAgent):
-    """torch's local agent, with prompt sibling stops, requeue exits and one failure report."""
+    """torch's local agent, its workers a :class:`distrun.plugin.WorkerGroup` (torchrun's
+    environment, warm starts, output relayed from pipes, exits watched), with prompt sibling
+    stops, requeue exits and one failure report."""
 
     def __init__(self, *args: Any, relay: Relay, plan: ElasticPlan, host_store: bool = False,
-                 bind: str | None = None, trains_task: bool = True, scratch: str = "",
+                 bind: str | None = None, trains_task: bool = True,
+                 outputs: WorkerOutputs | None = None, services: Sequence[Any] = (),
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.services = list(services)
         self.relay = relay
+        #: where the workers' log and error files go (``--log-dir``, else a temporary folder)
+        self.outputs = outputs or WorkerOutputs()
+        #: this attempt's workers (None before the first start)
+        self.group: WorkerGroup | None = None
         self.plan = plan
         #: the workers run a task of the core's loop (else a plain script or another program,
         #: whose checkpoints, if any, are its own)
         self.trains_task = trains_task
-        #: the folder of the workers' output files when the user asked for no logs ("": none)
-        self.scratch = scratch
         self.bind = bind
         #: (global rank, return code) of the worker that failed first in the current attempt
         self.root_cause: tuple[int, int] | None = None
@@ -204,16 +197,14 @@ class DistrunAgent(LocalElasticAgent):
         signal.pthread_kill(threading.main_thread().ident or 0, _WAKE)
         if self.unwound.wait(UNWIND_GRACE) or not self.claim_end():
             return
-        self.relay.close(timeout=1.0)
         self.remove_scratch()
         _say(str(CutOff(self.plan.rdzv_endpoint, silent)))
         sys.stdout.flush()
         os._exit(EXIT_REQUEUE)
 
     def remove_scratch(self) -> None:
-        """Remove the workers' output files the user did not ask for (their lines were relayed)."""
-        if self.scratch:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        """Remove the workers' error files the user did not ask for (their lines were relayed)."""
+        self.outputs.cleanup()
 
     def stop_liveness(self) -> None:
         if self.liveness is not None:
@@ -233,8 +224,7 @@ class DistrunAgent(LocalElasticAgent):
             self._attempt_store = serve_store(listen_socket(self.bind or addr, port), addr,
                                               shared=False)
         try:
-            with forking_from(self.warm):
-                return super()._start_workers(worker_group)
+            return self._start_group(worker_group)
         finally:
             if self.warm is None and self.make_warm is not None:
                 # the spares of a script start once its first workers have started
@@ -242,19 +232,40 @@ class DistrunAgent(LocalElasticAgent):
             elif self.warm is not None:
                 self.warm.renew()  # a spare that died is replaced, in the background
 
+    def _start_group(self, worker_group: Any) -> dict[int, int]:
+        """Start this round's workers in a worker group: torchrun's variables for the ranks
+        the rendezvous gave this node, the agent's store when it hosts one; {local rank: pid}."""
+        spec = worker_group.spec
+        first = worker_group.workers[0]
+        ranks = NodeRanks(
+            nproc=spec.local_world_size, node_rank=worker_group.group_rank,
+            nnodes=worker_group.group_world_size, world_size=first.world_size,
+            first_rank=first.global_rank - first.local_rank,
+            master_addr=worker_group.master_addr, master_port=worker_group.master_port,
+            run_id=spec.rdzv_handler.get_run_id(),
+            restart_count=spec.max_restarts - self._remaining_restarts,
+            max_restarts=spec.max_restarts, role=spec.role,
+            signals=os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _FORWARDED))
+        extra = {"TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store)}
+        self.relay.new_attempt()  # a restarted group's tracebacks are printed again
+        self.group = WorkerGroup([spec.entrypoint, *spec.args], ranks, environ=os.environ,
+                                 extra_env=extra, outputs=self.outputs, relay=self.relay,
+                                 warm=self.warm, services=self.services).start()
+        _stop_with_signals()  # as torch's own process context does: SignalException in run()
+        return {w.local_rank: w.proc.pid for w in self.group.workers}
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self.group is not None:
+            self.group.stop(grace=float(timeout), signum=death_sig)
+
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         if self.liveness is not None:
             lost = self.liveness.lost()
             if lost and self.root_cause is None:
                 return self._lose(worker_group, lost)
         self._stop_siblings_of_failure(worker_group)
-        result = super()._monitor_workers(worker_group)
+        result = self._result(worker_group)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
-        if failed and self.root_cause is None:
-            # A worker ended between our poll above and torch's: name it now, or the restart
-            # below would go ahead without its line. Torch has stopped its siblings already
-            # (SIGTERM): their exits are not the cause.
-            self._stop_siblings_of_failure(worker_group, after_torch_stop=True)
         if failed and self.root_cause and self.root_cause[1] == EXIT_REQUEUE and \
                 _nodes_waiting(worker_group) > 0:
             # Not a stop of this run: a node joins, another node's agent stopped its workers
@@ -297,47 +308,51 @@ class DistrunAgent(LocalElasticAgent):
                  f"{worker_group.spec.max_restarts})")
         return RunResult(state=WorkerState.FAILED)
 
+    def _result(self, worker_group: Any) -> RunResult:
+        """The attempt's state from its workers' exits, as torch's agent reports it."""
+        group = self.group
+        if group is None:
+            return RunResult(state=WorkerState.UNKNOWN)
+        codes = group.poll()
+        failures = {
+            w.rank: ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code,
+                                   error_file=group.outputs.error_file(w.rank) or "")
+            for w, code in zip(group.workers, codes) if code not in (None, 0)}
+        if failures:
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        if all(code == 0 for code in codes):
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.rank: None for w in group.workers})
+        return RunResult(state=WorkerState.HEALTHY)
+
     def _kill_workers(self) -> None:
         """SIGKILL this node's workers: they cannot finish a step without their peers."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        procs = [h.proc for h in handlers.values() if h.proc.poll() is None]
-        _signal(procs, signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
+        if self.group is not None:
+            self.group.signal_all(signal.SIGKILL)
+            for w in self.group.workers:
+                w.proc.wait()
 
-    def _stop_siblings_of_failure(self, worker_group: Any, after_torch_stop: bool = False
-                                  ) -> None:
-        pcontext = self._pcontext
-        handlers = getattr(pcontext, "subprocess_handlers", None)
-        if not handlers or self.root_cause is not None:
+    def _stop_siblings_of_failure(self, worker_group: Any) -> None:
+        group = self.group
+        if group is None or self.root_cause is not None:
             return
-        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
-        failed = [(lr, c) for lr, c in codes.items() if c not in (None, 0)]
+        failed = [(w.local_rank, c) for w, c in zip(group.workers, group.poll())
+                  if c not in (None, 0)]
         if not failed:
             return
-        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
-        stderrs = getattr(pcontext, "stderrs", {}) or {}
+        ranks = {w.local_rank: w.rank for w in group.workers}
+        tails = {w.local_rank: w for w in group.workers}
 
         def secondary(lr: int) -> bool:
             # Several ranks may have exited between two polls: prefer one that did not merely
-            # lose a peer (its own log is complete once it has exited).
-            text = _file_tail(stderrs.get(lr, ""))
-            return any(p in text for p in _SECONDARY)
+            # lose a peer (its last lines on stderr say so once it has exited).
+            return any(p in line for line in tails[lr].err_tail for p in _SECONDARY)
 
-        lr, code = root_cause(failed, ranks, secondary, after_torch_stop)
+        lr, code = root_cause(failed, ranks, secondary)
         self.root_cause = (ranks.get(lr, lr), code)
         # A requeue exit means a checkpoint was committed: the others are finishing the same.
         grace = float(self._shutdown_timeout) if code == EXIT_REQUEUE else RESTART_GRACE
-        alive = [h.proc for h in handlers.values() if h.proc.poll() is None]
-        _signal(alive, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        exits = ExitWatch(alive)  # wakes as each one exits, not at the next poll
-        try:
-            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-                exits.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-        finally:
-            exits.close()
-        _signal([p for p in alive if p.poll() is None], signal.SIGKILL)
+        group.stop(grace=grace)
 
 
 def trains_task(command: list[str]) -> bool:
@@ -350,22 +365,30 @@ def trains_task(command: list[str]) -> bool:
 
 
 def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
-               secondary: Callable[[int], bool], after_torch_stop: bool = False
-               ) -> tuple[int, int]:
+               secondary: Callable[[int], bool]) -> tuple[int, int]:
     """The failure that stopped the attempt, of ``failed`` ((local rank, exit code) pairs; the
     code ``-N`` for signal N; ``ranks``: local to global rank): a rank killed by a signal
     first, then one that did not merely lose a peer (``secondary``), then the lowest rank.
-
-    ``after_torch_stop``: torch's agent saw a worker fail and has already sent SIGTERM to the
-    others, so the exits that SIGTERM makes (-15, or a distrun worker's requeue exit after
-    saving) come last: naming one of them restarted a usage error, or gave up on a failure
-    as if the workers had asked to be requeued.
+    (The others are stopped only once it is chosen: none of their exits is the stop's.)
     """
-    def stopped(code: int) -> bool:
-        return after_torch_stop and code in (-int(signal.SIGTERM), EXIT_REQUEUE)
+    return min(failed, key=lambda f: (f[1] >= 0, secondary(f[0]), ranks.get(f[0], 0)))
 
-    return min(failed, key=lambda f: (stopped(f[1]), f[1] >= 0, secondary(f[0]),
-                                      ranks.get(f[0], 0)))
+
+def _stop_with_signals() -> None:
+    """The signals the workers' stop follows (``TORCHELASTIC_SIGNALS_TO_HANDLE``) raise torch's
+    SignalException in the agent's main thread, as torch's own process context arranges: its
+    run() then stops the workers with that signal and :func:`launch_elastic` says how it ended."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def raise_it(signum: int, frame: Any) -> None:
+        sig = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _FORWARDED).split(","):
+        sig = getattr(signal, name.strip(), None)
+        if sig is not None:
+            signal.signal(sig, raise_it)
 
 
 def _end_spares(pool: WarmPool) -> None:
@@ -496,8 +519,11 @@ def rendezvous_defaults(plan: ElasticPlan) -> dict[str, Any]:
             "last_call_timeout": 3, "read_timeout": max(5, int(timeout))}
 
 
-def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str]) -> int:
-    """Run the workers of this node under the elastic agent; the exit code of the run."""
+def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str],
+                   services: Sequence[Any] = ()) -> int:
+    """Run the workers of this node under the elastic agent; the exit code of the run.
+
+    ``services``: what runs beside the workers (told of each start and end)."""
     _prepare_environ(plan, environ)
     _quiet_torch_logs(plan.debug)
     if plan.max_nodes == 1 and plan.rdzv_backend == "c10d":
@@ -534,7 +560,6 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     warm: WarmPool | None = None
     make_warm: Callable[[], WarmPool] | None = None
     if plan.warm_restart and warm_command(command) is not None:
-        fork_workers_warm()
 
         def spares() -> WarmPool:
             return WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
@@ -548,13 +573,16 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
             warm = spares()
         else:
             make_warm = spares
-    # torch's agent writes each worker's output into files; where the user asked for none,
-    # they go into a folder of this run's own, removed when the run ends however it ends
-    scratch = "" if plan.log_dir else tempfile.mkdtemp(prefix="distrun_elastic_")
-    agent = DistrunAgent(spec=spec, logs_specs=RelayLogsSpecs(relay, plan.log_dir or scratch),
+    # the workers' output comes through pipes; torch's error files go into --log-dir, or a
+    # folder of this run's own, removed when the run ends however it ends
+    outputs = WorkerOutputs(log_dir=plan.log_dir or None,
+                            error_dir=os.path.abspath(plan.log_dir) if plan.log_dir else None)
+    if not plan.log_dir:
+        outputs.error_dir = outputs.temporary = tempfile.mkdtemp(prefix="distrun_elastic_")
+    agent = DistrunAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
                          start_method="spawn", shutdown_timeout=stop_grace, relay=relay,
                          plan=plan, host_store=host_store, bind=plan.bind_address,
-                         trains_task=task, scratch=scratch)
+                         trains_task=task, outputs=outputs, services=services)
     agent.warm, agent.make_warm = warm, make_warm
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True
@@ -569,7 +597,6 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
     except SignalException as exc:
         # Keep the rendezvous open: a relaunch (requeue) or the other nodes may go on.
         shutdown_rdzv = False
-        relay.close()
         sig = exc.sigval
         if sig in (signal.SIGTERM, signal.SIGUSR1):
             saved = "saved a checkpoint and stopped" if agent.trains_task else "stopped"
@@ -605,7 +632,6 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         if agent.warm is not None:
             _end_spares(agent.warm)
         signal.signal(_WAKE, previous)
-        relay.close()
         agent.remove_scratch()
         if shutdown_rdzv:
             try:
@@ -614,10 +640,10 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
                 pass
     if result is None or not result.is_failed():
         return 0
-    return _report(agent, result, relay)
+    return _report(agent, result)
 
 
-def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
+def _report(agent: DistrunAgent, result: RunResult) -> int:
     if agent.root_cause is not None:
         rank, returncode = agent.root_cause
     else:
@@ -627,7 +653,8 @@ def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
     if code == EXIT_REQUEUE:
         _say(f"the workers saved a checkpoint and stopped; exit {EXIT_REQUEUE} (requeue)")
         return code
-    tail = relay.tails.get(rank)
+    workers = agent.group.workers if agent.group is not None else []
+    tail = next((w for w in workers if w.rank == rank), None)
     if agent.lost_peers:
         names = ", ".join(p.hostname for p in agent.lost_peers)
         _say(f"lost host {names} and no restarts left ({agent.restarts} used; "
@@ -636,7 +663,7 @@ def _report(agent: DistrunAgent, result: RunResult, relay: Relay) -> int:
     if agent.restarts:
         _say(f"no restarts left ({agent.restarts} used)")
     if tail is not None:
-        report_failure(tail, code, same=relay.lines.same_failure(rank))
+        agent.group.report(code, tail)  # type: ignore[union-attr]
     else:
         _say(f"rank {rank} failed with exit code {code}")
     return code

@@ -32,9 +32,9 @@ def distrun_launch(config, command, environ):
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
-    from distrun.plugin import warn_oversubscribed
+    from distrun.plugin import node_services, warn_oversubscribed
     from distrun_elastic.agent import launch_elastic
 
     warn_oversubscribed(plan.nproc_per_node)
 
-    return launch_elastic(plan, command, environ)
+    return launch_elastic(plan, command, environ, services=node_services(config))

@@ -33,25 +33,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from distrun.plugin import (
     CONFIG_ENV,
     EXIT_REQUEUE,
-    LAUNCHER_PID_ENV,
     LOOPBACK,
     STOP_GRACE,
-    STORE_FD_ENV,
+    NodeRanks,
+    NodeService,
     UsageError,
+    WorkerGroup,
     bind_address,
     die_with_parent,
     exit_code,
     fresh_run_folder,
     listen_socket,
+    node_services,
     resolve_nproc,
-    server_env,
-    torchrun_env,
     warn_oversubscribed,
     with_values,
 )
@@ -77,15 +78,19 @@ POLL = 0.05
 @dataclass
 class _Group:
     index: int
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    workers: WorkerGroup | None = None  # its ranks, once started
     attempt: int = 0
     done: bool = False
     code: int = 0  # the exit code of its last failure (0: none)
     out_of_restarts: bool = False
     after_fit: bool = False  # it failed once its fit was done: the script's error, not a loss
 
+    @property
+    def procs(self) -> list[Any]:
+        return [w.proc for w in self.workers.workers] if self.workers is not None else []
+
     def alive(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
+        return self.workers is not None and self.workers.alive()
 
     def failed_rank(self) -> tuple[int, int] | None:
         for rank, p in enumerate(self.procs):
@@ -94,12 +99,8 @@ class _Group:
         return None
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        if self.workers is not None:
+            self.workers.signal_all(signum)
 
     def reap(self) -> None:
         for p in self.procs:
@@ -141,40 +142,23 @@ def _group_config(config: Any, g: int, attempt: int = 0) -> Any:
 
 def _start_group(group: _Group, config: Any, command: list[str], environ: dict[str, str],
                  nproc: int, lighthouse: str, groups: int, run_id: str,
-                 barrier: str = "", address: str = LOOPBACK) -> None:
+                 barrier: str = "", address: str = LOOPBACK,
+                 services: Sequence[NodeService] = ()) -> None:
     store = listen_socket(LOOPBACK, 0)
-    port = store.getsockname()[1]
-    cfg = _group_config(config, group.index, group.attempt).to_json()
-    group.procs = []
-    try:
-        for rank in range(nproc):
-            env = dict(environ)
-            env[CONFIG_ENV] = cfg
-            env.update(torchrun_env(rank=rank, local_rank=rank, world_size=nproc,
-                                    local_world_size=nproc, node_rank=0, nnodes=1,
-                                    master_addr=LOOPBACK, master_port=port,
-                                    run_id=f"{run_id}-replica{group.index}",
-                                    restart_count=group.attempt,
-                                    max_restarts=int(FtOptions.of(config).ft_max_restarts),
-                                    environ=environ))
-            env.update(server_env(address, environ))
-            env.update({REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups),
-                        ADDRESS_ENV: address,
-                        ATTEMPT_ENV: str(group.attempt), LIGHTHOUSE_ENV: lighthouse,
-                        LAUNCHER_PID_ENV: str(os.getpid())})
-            if barrier:
-                env[BARRIER_ENV] = barrier
-            env.setdefault("OMP_NUM_THREADS", "1")
-            env.setdefault("PYTHONUNBUFFERED", "1")
-            env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-            fds: tuple[int, ...] = ()
-            if rank == 0:
-                env[STORE_FD_ENV] = str(store.fileno())
-                fds = (store.fileno(),)
-            group.procs.append(subprocess.Popen(command, env=env, start_new_session=True,
-                                                pass_fds=fds))
-    finally:
-        store.close()  # rank 0 holds it now
+    ranks = NodeRanks(nproc=nproc, master_addr=LOOPBACK, master_port=store.getsockname()[1],
+                      run_id=f"{run_id}-replica{group.index}", restart_count=group.attempt,
+                      max_restarts=int(FtOptions.of(config).ft_max_restarts), bind=address)
+    extra = {CONFIG_ENV: _group_config(config, group.index, group.attempt).to_json(),
+             REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups), ADDRESS_ENV: address,
+             ATTEMPT_ENV: str(group.attempt), LIGHTHOUSE_ENV: lighthouse,
+             # every group shares the node's cores; torchft's servers log every quorum at info
+             "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1"),
+             "RUST_LOG": environ.get("RUST_LOG", "warn")}
+    if barrier:
+        extra[BARRIER_ENV] = barrier
+    # the workers write to this launcher's streams (relay=False): their lines as they come
+    group.workers = WorkerGroup(command, ranks, environ=environ, extra_env=extra, store=store,
+                                relay=False, services=services).start()
 
 
 class _Stop:
@@ -216,6 +200,7 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     else:
         lighthouse_proc, lighthouse = _start_lighthouse(config)
     first = int(FtOptions.of(config).ft_first_replica)
+    services = node_services(config)  # told of every group's starts and ends
     groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -228,9 +213,9 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     try:
         for group in groups:
             _start_group(group, config, command, environ, nproc, lighthouse, n, run_id,
-                         barrier=f"{barrier}:{n}", address=address)
+                         barrier=f"{barrier}:{n}", address=address, services=services)
         return _supervise(config, groups, command, environ, nproc, lighthouse, run_id, stop,
-                          lighthouse_proc, f"{barrier}:{n}", address)
+                          lighthouse_proc, f"{barrier}:{n}", address, services)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -301,7 +286,8 @@ def _stop_code(signum: int) -> int:
 
 def _supervise(config: Any, groups: list[_Group], command: list[str], environ: dict[str, str],
                nproc: int, lighthouse: str, run_id: str, stop: _Stop,
-               lighthouse_proc: subprocess.Popen | None, barrier: str, address: str) -> int:
+               lighthouse_proc: subprocess.Popen | None, barrier: str, address: str,
+               services: Sequence[NodeService] = ()) -> int:
     budget = int(FtOptions.of(config).ft_max_restarts)
     folder = barrier.rpartition(":")[0]  # the meeting folder (the spec ends in ":COUNT")
     stopping_since: float | None = None
@@ -363,7 +349,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                  f"restarting it (restart {group.attempt} of {budget}); the other groups keep "
                  "training and it heals from one of them")
             _start_group(group, config, command, environ, nproc, lighthouse, len(groups),
-                         run_id, barrier=barrier, address=address)
+                         run_id, barrier=barrier, address=address, services=services)
         if any(g.done for g in groups):
             _stop_unjoined(groups, folder)
         elif not FtOptions.of(config).ft_lighthouse:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun.plugin import LOOPBACK, STORE_FD_ENV, UsageError, listen_socket, server_env
+from distrun.plugin import LOOPBACK, STORE_FD_ENV, UsageError, listen_socket
 from distrun_notebook.child import in_launched_process
 from distrun_notebook.workers import WorkerGroup
 
@@ -190,16 +190,14 @@ def _notebook_name() -> str:
 
 def _rank_env(rank: int, world: int, port: int, run_id: str,
               base: dict[str, str]) -> dict[str, str]:
-    from distrun.plugin import LAUNCHER_PID_ENV, torchrun_env
+    """What rank ``rank``'s fork sets in its environment: torchrun's variables (as the
+    launcher's worker group gives them), gloo's sockets on loopback, the task's config."""
+    from distrun.plugin import NodeRanks
 
-    env = torchrun_env(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                       node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=port,
-                       run_id=run_id)
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    env.update(server_env(LOOPBACK, os.environ))  # gloo's sockets on loopback too
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
-    env.update(base)
-    return env
+    ranks = NodeRanks(nproc=world, master_addr=LOOPBACK, master_port=port, run_id=run_id,
+                      bind=LOOPBACK)
+    return ranks.env(rank, os.environ, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                **base})
 
 
 def _store_socket() -> socket.socket:

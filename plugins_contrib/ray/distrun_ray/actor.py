@@ -1,46 +1,46 @@
 """The Ray actor that hosts one rank: it starts the worker process on its node and relays it.
 
 Imported by the launcher and by Ray's worker processes (not by the entry point). The worker is
-a plain subprocess with torchrun's variables, exactly as the local launcher starts it, so a
-torchrun script or a distrun task runs unchanged; the actor only owns it, relays its lines and
-stops it. The subprocess dies with the actor (PR_SET_PDEATHSIG on Linux).
+started by a :class:`distrun.plugin.WorkerGroup` of one rank, with torchrun's variables exactly
+as the local launcher gives them, so a torchrun script or a distrun task runs unchanged; the
+actor queues its output for the launcher's polls and stops it. The worker dies with the actor
+(its lifeline names the actor as its launcher).
 """
 
 from __future__ import annotations
 
-import codecs
 import collections
-import ctypes
+import dataclasses
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 __all__ = ["RankHost"]
 
-_PR_SET_PDEATHSIG = 1
 
+def _queue_relay(lines: collections.deque[tuple[str, str]]) -> Any:
+    """A relay that queues the worker's output as it comes (pieces of lines too: a ``\\r``
+    redraw) for the launcher to print, instead of printing it here."""
+    from distrun.plugin import Relay
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the actor's stop() still ends it
-        pass
+    class QueueRelay(Relay):
+        def emit(self, rank: Any, text: str, dst: IO[str]) -> None:
+            lines.append(("out" if dst is sys.stdout else "err", text))
+
+        def flush(self, rank: Any, dst: IO[str]) -> None:
+            pass
+
+    return QueueRelay()
 
 
 class RankHost:
     """One rank's host on a Ray node (wrapped with ``ray.remote`` by the launcher)."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.group: Any = None  # the worker's WorkerGroup, once started
         self.lines: collections.deque[tuple[str, str]] = collections.deque()
-        self.readers: list[threading.Thread] = []
         self.store: socket.socket | None = None  # rank 0's store socket, until start()
 
     def node(self) -> tuple[str, str, str]:
@@ -66,54 +66,32 @@ class RankHost:
         self.store = listen_socket(bind, 0)
         return self.store.getsockname()[1]
 
-    def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str,
-              bind: str | None = None) -> int:
-        """Start the worker with this node's Python; ``env`` is added to the actor's own.
+    def start(self, command: Sequence[str], ranks: Any, base: Mapping[str, str],
+              extra: Mapping[str, str], cwd: str, bind: str | None = None) -> int:
+        """Start the worker with this node's Python: ``ranks`` is the rank's
+        :class:`~distrun.plugin.NodeRanks`, ``base`` the launcher's variables added to the
+        actor's own, ``extra`` distrun's (set last).
 
         ``bind``: the address the worker's servers listen on (gloo's and tensorpipe's interface
         is looked up on this node).
         """
-        from distrun.plugin import STORE_FD_ENV, server_env
+        from distrun.plugin import WorkerGroup
 
-        full_env = dict(os.environ)
-        full_env.update(env)
-        full_env.update(server_env(bind, full_env))
-        fds: tuple[int, ...] = ()
-        if self.store is not None:
-            full_env[STORE_FD_ENV] = str(self.store.fileno())
-            fds = (self.store.fileno(),)
         argv = [sys.executable, *command[1:]]  # the launcher's interpreter path may differ here
         self.lines.clear()
-        try:
-            self.proc = subprocess.Popen(
-                argv, env=full_env, cwd=cwd if os.path.isdir(cwd) else None,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
-                preexec_fn=_die_with_parent, pass_fds=fds,
-            )
-        finally:
-            if self.store is not None:
-                self.store.close()  # the worker holds it now
-                self.store = None
-        self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                        for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
-        for t in self.readers:
-            t.start()
-        return self.proc.pid
-
-    def _read(self, name: str, stream: IO[bytes]) -> None:
-        """Queue the worker's output as it comes (pieces of lines too: a ``\\r`` redraw)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        while chunk := stream.read(1 << 16):
-            self.lines.append((name, decoder.decode(chunk)))
-        if rest := decoder.decode(b"", final=True):
-            self.lines.append((name, rest))
+        self.group = WorkerGroup(
+            argv, dataclasses.replace(ranks, bind=bind), environ={**os.environ, **base},
+            extra_env=extra, store=self.store, relay=_queue_relay(self.lines),
+            cwd=cwd if os.path.isdir(cwd) else None)
+        self.store = None  # the group closes it once the worker holds it
+        self.group.start()
+        return int(self.group.workers[0].proc.pid)
 
     def poll(self) -> tuple[list[tuple[str, str]], int | None]:
         """New output since the last poll, and the exit code once the worker is done."""
-        code = None if self.proc is None else self.proc.poll()
+        code = None if self.group is None else self.group.poll()[0]
         if code is not None:
-            for t in self.readers:  # all lines are read before the exit is reported
-                t.join(timeout=5.0)
+            self.group.stop(grace=0.0)  # reaped, and all its lines read before the exit is said
         out = []
         while self.lines:
             out.append(self.lines.popleft())
@@ -121,19 +99,12 @@ class RankHost:
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the worker (and its children)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        if self.group is not None:
+            self.group.signal_all(signum)
 
     def stop(self, grace: float) -> int | None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; the exit code."""
-        if self.proc is None:
+        if self.group is None:
             return None
-        self.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.signal(signal.SIGKILL)
-        return self.proc.wait()
+        self.group.stop(grace)
+        return self.group.poll()[0]

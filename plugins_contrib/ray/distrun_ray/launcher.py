@@ -35,13 +35,13 @@ from distrun.plugin import (
     CONFIG_ENV,
     EXIT_REQUEUE,
     STOP_GRACE,
+    NodeRanks,
     Relay,
     RunConfig,
     UsageError,
     exit_code,
     new_tail,
     report_failure,
-    torchrun_env,
     with_values,
 )
 from distrun_ray.options import RayOptions
@@ -262,17 +262,15 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                 os.makedirs(log_dir, exist_ok=True)
             starts = []
             for r in ranks:
-                env = dict(base)
-                env[CONFIG_ENV] = cfg.to_json()
-                env.update(torchrun_env(
-                    rank=r.rank, local_rank=r.local_rank, world_size=n,
-                    local_world_size=r.local_world, node_rank=r.node_rank, nnodes=nnodes,
+                layout = NodeRanks(
+                    nproc=r.local_world, nnodes=nnodes, node_rank=r.node_rank, world_size=n,
+                    first_rank=r.rank - r.local_rank, local_ranks=(r.local_rank,),
                     master_addr=master_ip, master_port=port, run_id=run_id,
-                    restart_count=attempt, max_restarts=restarts))
-                env.setdefault("PYTHONUNBUFFERED", "1")
+                    restart_count=attempt, max_restarts=restarts)
                 if log_dir:
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
-                starts.append(r.actor.start.remote(command, env, os.getcwd(), r.ip))
+                starts.append(r.actor.start.remote(command, layout, base,
+                                                   {CONFIG_ENV: cfg.to_json()}, os.getcwd(), r.ip))
             ray.get(starts, timeout=120)
             failed = _run_group(ray, ranks, stop, config.tee)
             _release(ray, ranks, pg, remove_placement_group)

@@ -89,7 +89,7 @@ def test_a_run_on_one_ray_node_listens_on_its_address_only(h, tmp_path, ray_clus
         ready, str(hold / "go"), cwd=tmp_path, env=h.clean_env())
     assert code == 0, output
     every = listeners + head
-    workers = {s.pid for s in head if "distrun._train.worker" in s.command}
+    workers = {s.pid for s in head if "distrun._worker.main" in s.command}
     assert len(workers) == 2, "\n".join(map(str, every))
     assert all(s.loopback for s in every), "\n".join(map(str, every))
 

@@ -158,7 +158,7 @@ def test_the_agents_stores_and_the_workers_listen_on_loopback_only(tmp_path):
          "--monitor-interval", "0.05", "hold.py", str(hold)], hold, 2, cwd=tmp_path, env=ENV)
     assert code == 0, output
     assert "rank 1 exited with code 3; restarting the workers" in output
-    agent = [s for s in listeners if "distrun._train.worker" not in s.command]
+    agent = [s for s in listeners if "distrun._worker.main" not in s.command]
     assert len(agent) >= 2, "\n".join(map(str, listeners))  # rendezvous + attempt store
     assert all(s.loopback for s in listeners), "\n".join(map(str, listeners))
 

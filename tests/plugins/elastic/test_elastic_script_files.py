@@ -1,6 +1,6 @@
 """A plain script under the elastic agent: what its restart line says, and that the workers'
-output files torch's agent writes are gone when the run ends (success, failure, signal),
-unless ``--log-dir`` asked for them.
+files (torch's error files; their output only with ``--log-dir``) are gone when the run ends
+(success, failure, signal), unless ``--log-dir`` asked for them.
 
 Each run gets its own ``TMPDIR`` (where the files go when nobody asked for them), so "nothing
 left" is checked exactly.
@@ -72,7 +72,7 @@ def test_a_script_run_stopped_by_sigterm_leaves_no_files(tmp_path):
                         {**ENV, "TMPDIR": str(tmp)}, tmp_path, "hold")
     try:
         launcher.wait_until(lambda: launcher.output().count("holding") == 2, "both ranks")
-        assert any(p.name == "stdout.log" for p in tmp.rglob("*"))  # where they were
+        assert any(p.name.startswith("distrun_elastic_") for p in tmp.iterdir())  # their folder
         os.kill(launcher.proc.pid, signal.SIGTERM)
         code = launcher.wait(timeout=120)
     finally:
@@ -90,14 +90,14 @@ def test_log_dir_keeps_the_workers_files(tmp_path):
                      env={**ENV, "TMPDIR": str(tmp)})
     assert result.returncode == 0, result
     assert _left(tmp) == [], result
-    kept = [p for p in logs.rglob("stdout.log") if "ENV " in p.read_text()]
-    assert len(kept) == 2, sorted(map(str, logs.rglob("*")))
+    kept = [p.name for p in logs.glob("rank*.log") if "ENV " in p.read_text()]
+    assert sorted(kept) == ["rank0.log", "rank1.log"], sorted(map(str, logs.rglob("*")))
 
 
 def test_only_a_task_is_restarted_from_distruns_checkpoint():
     from distrun_elastic.agent import trains_task
 
-    worker = [sys.executable, "-u", "-m", "distrun._train.worker"]
+    worker = [sys.executable, "-u", "-m", "distrun._worker.main"]
     assert trains_task([*worker, "pkg.mod:Task", "--lr", "1"])
     assert not trains_task([*worker, "--script", "train.py"])
     assert not trains_task([*worker, "--module", "pkg.train"])

@@ -19,7 +19,7 @@ from elastic_helpers import HERE, TASK, TRAIN, Launcher, final_weights, plugin_e
 from distrun.plugin import pid_alive
 from distrun.testing import run_cli
 
-ZYGOTE = "distrun._train.zygote"
+ZYGOTE = "distrun._worker.zygote"
 #: what differs between two launches whatever starts the workers: ports, ids, file paths
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
               "DISTRUN_LAUNCHER_PID", "DISTRUN_CONFIG", "DISTRUN_RUN_KEY", "DUMP_DIR"}

@@ -37,7 +37,7 @@ def _run(nproc: str, flags: list[str], run_dir: Path, backend: str, **env: str):
     args = ["run", "--nproc-per-node", nproc, "--backend", backend, *flags, "--batch-size", "8", "--seed", "5",
             "--max-steps", "2", "--run-dir", str(run_dir), TASK]
     # A worker once aborted here at exit (134) in a full-suite run: a gloo group left to
-    # Python's finalization; the worker entry point now destroys it (distrun._train.worker).
+    # Python's finalization; the worker entry point now destroys it (distrun._worker.main).
     return run_cli(*args, env=full_env, timeout=600)
 
 

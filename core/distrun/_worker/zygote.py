@@ -1,4 +1,4 @@
-"""``python [FLAGS] -m distrun._train.zygote FD``: a warm spare that forks workers on request.
+"""``python [FLAGS] -m distrun._worker.zygote FD``: a warm spare that forks workers on request.
 
 A restart's cost is almost all in starting Python and importing torch. A launcher that restarts
 workers (distrun-elastic's agent) starts one of these per local rank, with the interpreter flags,
@@ -6,8 +6,8 @@ the environment and the working directory the worker would get. It imports torch
 worker's own entry point) once, while it is still the only thread of its process, and then
 waits on the launcher's socket ``FD``. Asked to, it forks: the child takes the request's exact
 environment, working directory, standard streams and command line, becomes a session leader,
-and runs :mod:`distrun._train.worker` as ``__main__``, exactly as ``python -m
-distrun._train.worker ARGS`` would. The zygote stays, idle, for the next request; it reports each
+and runs :mod:`distrun._worker.main` as ``__main__``, exactly as ``python -m
+distrun._worker.main ARGS`` would. The zygote stays, idle, for the next request; it reports each
 child's exit status (``os.waitpid``'s, as ``Popen.returncode``) on the socket.
 
 What it preloads, and why no more: torch, torch.distributed, torch._dynamo (which torch's
@@ -48,10 +48,10 @@ __all__ = ["main", "os_threads"]
 #: optimizers import torch._dynamo, and with it sympy and most of torch.distributed, when the
 #: first one is made: two thirds of a warm worker's start when it was left to the worker)
 PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo",
-           "distrun._launch.lifeline", "distrun._train.store_host", "distrun._train.trainer",
+           "distrun._launch.lifeline", "distrun._worker.store", "distrun._train.trainer",
            "distrun._train.task", "distrun._train.builtin", "distrun._train.loop", "distrun.plugin",
            "distrun._strategies.process_group", "distrun._strategies.single")
-WORKER_MODULE = "distrun._train.worker"
+WORKER_MODULE = "distrun._worker.main"
 #: the largest request (the environment, mostly)
 MAX_MESSAGE = 1 << 20
 
@@ -137,7 +137,7 @@ def _become_worker(sock: socket.socket, owned: list[int], stdio: list[int],
 
         sys.modules.pop(WORKER_MODULE, None)  # run fresh as __main__, as `python -m` does
         runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
-        code = 0  # the worker ends the process itself (distrun._train.worker.finish)
+        code = 0  # the worker ends the process itself (distrun._worker.main.finish)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - said on the worker's stderr, as a crash would be
@@ -192,7 +192,7 @@ def _serve(sock: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m distrun._train.zygote FD (started by a launcher)",
+        print("usage: python -m distrun._worker.zygote FD (started by a launcher)",
               file=sys.stderr)
         raise SystemExit(2)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0)

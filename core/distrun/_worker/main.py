@@ -1,12 +1,12 @@
-"""``python -m distrun._train.worker``: the entry point of every worker ``distrun run`` starts.
+"""``python -m distrun._worker.main``: the entry point of every worker ``distrun run`` starts.
 
-    python -m distrun._train.worker pkg.module:Task [ARGS]   a task, trained by the core's loop
-    python -m distrun._train.worker --script PATH [ARGS]     a script, exactly as ``python PATH``
-    python -m distrun._train.worker --module NAME [ARGS]     a module, as ``python -m NAME``
+    python -m distrun._worker.main pkg.module:Task [ARGS]   a task, trained by the core's loop
+    python -m distrun._worker.main --script PATH [ARGS]     a script, exactly as ``python PATH``
+    python -m distrun._worker.main --module NAME [ARGS]     a module, as ``python -m NAME``
 
 Around the target the worker ties itself to its launcher (:mod:`distrun._launch.lifeline`: it
 dies within a moment of the launcher's death, however that dies), serves the rendezvous store
-on the socket the launcher bound when it is rank 0 (:mod:`distrun._train.store_host`), and it
+on the socket the launcher bound when it is rank 0 (:mod:`distrun._worker.store`), and it
 ends the process the way the interpreter would but without finalizing it: threading's exit
 callbacks run (they stop idle pool threads), non-daemon threads are joined, the exit handlers
 run (one of them destroys a process group the target left initialized), every open file is
@@ -43,11 +43,11 @@ from typing import Any, NoReturn
 
 from distrun._launch.lifeline import die_with_launcher
 from distrun._spec.errors import DistrunError
-from distrun._train.store_host import host_launcher_store
+from distrun._worker.store import host_launcher_store
 
 __all__ = ["destroy_leftover_group", "finish", "main"]
 
-_USAGE = ("usage: python -m distrun._train.worker (pkg.module:Task | --script PATH | "
+_USAGE = ("usage: python -m distrun._worker.main (pkg.module:Task | --script PATH | "
           "--module NAME) [ARGS]")
 
 
@@ -146,7 +146,7 @@ def _run_as_main(run: str, name: str) -> None:
         raise
     except BaseException as exc:  # Ctrl-C's KeyboardInterrupt too, as Python reports it
         tb = exc.__traceback__
-        # by file, not __name__: under `python -m distrun._train.worker` this module's and the
+        # by file, not __name__: under `python -m distrun._worker.main` this module's and the
         # user's script's frames are both "__main__"
         while tb is not None and tb.tb_frame.f_code.co_filename in (
                 __file__, runpy.__file__, "<frozen runpy>"):

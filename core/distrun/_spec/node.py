@@ -1,0 +1,27 @@
+"""What runs beside a node's ranks: the interface of a per-node service.
+
+A launcher's worker group (:class:`distrun.plugin.WorkerGroup`) starts the ranks of one node
+under every launcher (local, elastic, distrun-ft). A plugin that needs to be there for as
+long as those ranks live (a watcher of their progress, a memory tier that outlives a worker)
+offers a :class:`NodeService` through the ``distrun_node_services`` hook; the group tells it of
+each start of its workers and of their end, in the launcher process (no torch imported).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["NodeService"]
+
+
+@runtime_checkable
+class NodeService(Protocol):
+    """Told of each start of a node's workers, and of their end (a restart is an end and a
+    start). ``group`` is the :class:`~distrun.plugin.WorkerGroup`: ``group.workers`` (each
+    with ``rank``, ``local_rank`` and ``proc.pid``), ``group.ranks`` (the layout),
+    ``group.poll()`` (exit codes). Both are called in the launcher's main thread: return
+    promptly (start a thread for long work)."""
+
+    def started(self, group: Any) -> None: ...
+
+    def ended(self, group: Any) -> None: ...
