@@ -6,20 +6,18 @@ import atexit
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
-import time
 from typing import Any, ClassVar, NoReturn, cast
 
 from distrun._config.run_config import CONFIG_ENV, RunConfig, resolve_config
 from distrun._launch.folder_lock import lock_run_folders, release_all, run_key
 from distrun._registry.collect import check_consumed, collect_options
 from distrun._registry.manager import make_plugin_manager
-from distrun._spec.errors import DistrunError, UsageError, first_line
+from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import COMPILE_TIME
-from distrun._spec.stash import StashKey
+from distrun._train.failures import TRAINING, classify
 from distrun._train.run import EXIT_REQUEUE, Run
 from distrun._train.unread_args import warn_unread_argv
 
@@ -29,8 +27,6 @@ log = logging.getLogger("distrun")
 #: stop requests: save at an agreed step boundary and exit (143; 130 for SIGINT, whose second
 #: arrival interrupts at once, as Ctrl-C twice does)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-#: set once the loop starts: a timeout before that is a rank stuck before training
-_TRAINING: StashKey[bool] = StashKey("trainer.training")
 
 
 def worker_config(pm: Any, code: dict[str, Any] | None = None) -> RunConfig:
@@ -212,7 +208,7 @@ class Trainer:
             _exit_on_error(exc, debug=config.debug)
         self._run.datamodule = datamodule
         Trainer._open = self
-        # closed at exit, before the interpreter finalizes (see worker.py)
+        # closed at exit, before the interpreter finalizes (see distrun._worker.main)
         atexit.register(self.close)
         return self._run
 
@@ -240,22 +236,9 @@ class Trainer:
             _exit_on_error(exc, debug=config.debug)
         except BaseException as exc:
             pm.hook.distrun_on_exception(run=run, exc=exc)
-            if _is_network_error(exc):
-                _exit_on_error(DistrunError(_network_message(run, exc)), debug=config.debug)
-            missing = _missing_collective(exc)
-            if missing is not None:
-                backend, op = missing
-                _exit_on_error(UsageError(
-                    f"the {backend} backend does not implement {op}, which the "
-                    f"{run.strategy.name if run.strategy else config.strategy} strategy calls "
-                    f"(use --backend gloo, or another strategy)"), debug=config.debug)
-            if _is_collective_timeout(exc, run):
-                _exit_on_error(DistrunError(_timeout_message(run)), debug=config.debug)
-            if _is_lost_connection(exc, run):
-                _exit_on_error(DistrunError(_lost_connection_message(run, exc)),
-                               debug=config.debug)
-            if _is_lost_peer(exc, run):
-                _exit_on_error(DistrunError(_lost_peer_message(run, exc)), debug=config.debug)
+            error = classify(exc, run)  # a failure torch reports its own way: one line
+            if error is not None:
+                _exit_on_error(error, debug=config.debug)
             raise
         finally:
             try:
@@ -270,7 +253,7 @@ class Trainer:
             sys.exit(128 + signal.SIGINT if run.stop_signal == signal.SIGINT else EXIT_REQUEUE)
 
     def _fit(self, run: Run) -> None:
-        if run.config.resume != "never" and not run.stash.get(_TRAINING):
+        if run.config.resume != "never" and not run.stash.get(TRAINING):
             run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
             if run.resumed_from:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
@@ -279,7 +262,7 @@ class Trainer:
         from distrun._train.limits import sanity_check
 
         sanity_check(run)
-        run.stash[_TRAINING] = True
+        run.stash[TRAINING] = True
         run.hook.distrun_run_fit(run=run)
         if run.stop_signal is not None and run.done:
             log.warning("Stop signal %d: saving a checkpoint and exiting for requeue",
@@ -291,14 +274,14 @@ class Trainer:
         run.results["fit"] = dict(run.metrics)
 
     def _evaluate(self, run: Run, stage: str, ckpt_path: str | None) -> Any:
-        source = ckpt_path or (run.config.resume if not run.stash.get(_TRAINING)
+        source = ckpt_path or (run.config.resume if not run.stash.get(TRAINING)
                                and run.resumed_from is None else None)
         if source and source != "never":
             loaded = run.hook.distrun_load_checkpoint(run=run, source=source)
             if loaded:
                 run.resumed_from = loaded
                 log.info("%s: loaded %s (step %d)", stage, loaded, run.progress.step)
-        elif not run.stash.get(_TRAINING) and run.resumed_from is None:
+        elif not run.stash.get(TRAINING) and run.resumed_from is None:
             log.warning("warning: %s runs on the model as configure_model() made it (no "
                         "checkpoint was loaded: pass --resume PATH or ckpt_path=...)", stage)
         from distrun._train.stages import evaluate, predict
@@ -321,138 +304,6 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:
         raise exc
     sys.stderr.write(f"error: {exc}\n")
     raise SystemExit(exc.exit_code)
-
-
-#: where torch raises a failed collective: c10d calls, DDP's reducer, autograd's backward
-_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
-
-
-#: c10d's words for an operation a backend lacks ("Backend shm does not support alltoall"),
-#: and a plugin backend's for a dtype ("shm backend: allreduce does not support dtype UInt32")
-_MISSING_OP = re.compile(r"Backend (\S+) does not (?:support|implement) (\w+)")
-_MISSING_DTYPE = re.compile(r"(\S+) backend: (\w+) does not support (dtype \S+)")
-
-
-def _missing_collective(exc: BaseException) -> tuple[str, str] | None:
-    """(backend, operation) when a backend refused an operation it does not implement."""
-    if not isinstance(exc, (RuntimeError, NotImplementedError)):
-        return None
-    line = first_line(exc)
-    match = _MISSING_OP.search(line)
-    if match:
-        return match.group(1).lower(), match.group(2)
-    match = _MISSING_DTYPE.search(line)
-    if match:
-        return match.group(1).lower(), f"{match.group(2)} on {match.group(3)}"
-    return None
-
-
-def _is_network_error(exc: BaseException) -> bool:
-    """torch could not reach a peer or the rendezvous store (not a timeout: refused, reset,
-    address in use)."""
-    dist = sys.modules.get("torch.distributed")
-    kind = getattr(dist, "DistNetworkError", None)
-    return kind is not None and isinstance(exc, kind)
-
-
-def _network_message(run: Run, exc: BaseException) -> str:
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    return (f"rank {run.rank}: a network error with the other ranks or the store at {where} "
-            f"(step {run.progress.step}): {first_line(exc)}; if another rank failed, its error "
-            "is above; --debug shows this rank's traceback")
-
-
-def _is_collective_timeout(exc: BaseException, run: Run) -> bool:
-    """A collective that waited out ``--timeout``: told by type and origin, never by text.
-
-    Gloo reports a timeout as a plain ``RuntimeError``; it counts when it was raised inside
-    torch's collective code after the run had waited at least the timeout since its last step.
-    """
-    if run.world_size < 2:
-        return False
-    if isinstance(exc, TimeoutError):
-        return True
-    if isinstance(exc, _dist_error()):  # a store wait or a collective past --timeout
-        return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
-    if not isinstance(exc, RuntimeError) or not _raised_in(exc, _COLLECTIVE_MODULES):
-        return False
-    return time.monotonic() - run.progress.step_started >= run.config.timeout * 0.9
-
-
-#: seconds a rank whose collective failed waits for its launcher's stop signal
-_PEER_GRACE = 3.0
-
-
-def _is_lost_peer(exc: BaseException, run: Run) -> bool:
-    """A collective that failed because another rank stopped, told by evidence, not text.
-
-    When a rank fails, every launcher (distrun's, the elastic agent, torchrun) stops the others
-    with SIGTERM. So a ``RuntimeError`` from collective code counts as a lost peer only once
-    that signal arrived; an error of the rank's own (DDP's unused parameters...) gets no
-    signal and keeps its traceback.
-    """
-    if run.world_size < 2 or not isinstance(exc, RuntimeError) \
-            or not _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun._train.step_sync")):
-        return False
-    deadline = time.monotonic() + _PEER_GRACE
-    while run.stop_signal is None and time.monotonic() < deadline:
-        time.sleep(0.02)  # the signal handler runs between these sleeps
-    return run.stop_signal is not None
-
-
-def _lost_peer_message(run: Run, exc: BaseException) -> str:
-    return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
-            f"another rank stopped (its error is above; --debug shows this rank's traceback): "
-            f"{first_line(exc)}")
-
-
-#: gloo gives a dropped connection no type of its own, but names its transport's source file
-_TRANSPORT_SOURCES = ("/gloo/transport/",)
-
-
-def _is_lost_connection(exc: BaseException, run: Run) -> bool:
-    """A collective whose connection to a peer broke (reset, closed): the peer's process or
-    host is gone, or the network between them dropped. No local signal comes first when the
-    peer was on another host, so this is told by gloo's own report of its transport."""
-    return run.world_size > 1 and isinstance(exc, RuntimeError) \
-        and _raised_in(exc, (*_COLLECTIVE_MODULES, "distrun._train.step_sync")) \
-        and any(source in first_line(exc) for source in _TRANSPORT_SOURCES)
-
-
-def _lost_connection_message(run: Run, exc: BaseException) -> str:
-    line = first_line(exc)
-    reason = line.split("]", 1)[-1].strip() if "]" in line else line
-    return (f"rank {run.rank}: lost the connection to another rank at step "
-            f"{run.progress.step} ({reason.split('. ')[0]}): its process or host stopped, or "
-            "the network dropped; --debug shows this rank's traceback")
-
-
-def _dist_error() -> type[BaseException]:
-    import torch.distributed as dist
-
-    return getattr(dist, "DistError", TimeoutError)
-
-
-def _raised_in(exc: BaseException, prefixes: tuple[str, ...]) -> bool:
-    tb = exc.__traceback__
-    while tb is not None:
-        module = tb.tb_frame.f_globals.get("__name__", "")
-        if module.startswith(prefixes):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _timeout_message(run: Run) -> str:
-    if not run.stash.get(_TRAINING):
-        return (f"rank {run.rank}: waited {run.config.timeout:g}s for the other ranks before "
-                "training started: a rank is stuck before training (at import, in setup or "
-                "loading data) or never started; see the other ranks' output, or change the "
-                "limit with --timeout SECONDS or DISTRUN_TIMEOUT")
-    return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
-            "are out of step (most often uneven inputs: one rank ran out of batches while the "
-            "others wait for it; pip install distrun-join, or give every rank the same number "
-            "of batches); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT")
 
 
 def _install_stop_handlers(run: Run) -> dict[int, Any]:
