@@ -27,7 +27,7 @@ CKPT_EVERY = 5
 PACE = 0.2  # seconds of sleep per step: a bigger model's compute
 MAX_RESTARTS = 3
 #: torch rendezvous timings distrun derives from its default --heartbeat-timeout 15
-#: (distrun_elastic.agent.rendezvous_defaults), given to both sides
+#: (distrun_elastic.launch.rendezvous_defaults), given to both sides
 RDZV_CONF = "keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=3,read_timeout=15"
 ENDPOINT = "198.18.0.1:29400"
 START_BOUND = 240.0  # seconds for the first two hosts to reach the fault step

@@ -53,9 +53,12 @@ _LAZY = {
 }
 
 
-#: plugin-author names this module used to export; they live in distrun.plugin now
-_MOVED = frozenset({"BackendInfo", "Option", "Stash", "StashKey", "StrategyInfo", "hookspec",
-                    "plugin_options"})
+#: plugin-author names this module used to export, and where they live now (the plugin API,
+#: or, for the older forms of an option's declaration and the stash, the private modules)
+_MOVED = {"BackendInfo": "distrun.plugin", "StashKey": "distrun.plugin",
+          "StrategyInfo": "distrun.plugin", "hookspec": "distrun.plugin",
+          "Option": "distrun._spec.options", "plugin_options": "distrun._spec.options",
+          "Stash": "distrun._spec.stash"}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,13 +68,15 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _MOVED:
+        import importlib
         import warnings
 
-        import distrun.plugin
-
-        warnings.warn(f"distrun.{name} moved to distrun.plugin.{name} (the plugin API)",
+        warnings.warn(f"distrun.{name} moved to distrun.plugin.{name} (the plugin API)"
+                      if _MOVED[name] == "distrun.plugin" else
+                      f"distrun.{name} is deprecated: a plugin declares its options with "
+                      "distrun.plugin.PluginOptions and keeps state under a StashKey",
                       DeprecationWarning, stacklevel=2)
-        return getattr(distrun.plugin, name)
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'distrun' has no attribute {name!r}")
 
 

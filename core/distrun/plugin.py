@@ -1,11 +1,18 @@
 """The plugin API: the one module of distrun a plugin imports (beside ``distrun`` and
 ``distrun.testing``).
 
-Everything a plugin needs of the core is named here; every other module of the core is
-private and may move between releases. ``docs/writing-plugins.md`` documents each name
-(a test keeps the page and :data:`__all__` equal). A plugin states the API it was written
-for with ``DISTRUN_PLUGIN_API = 1`` in its entry-point module; a plugin written for
-another :data:`API_VERSION` is refused with one line when it loads.
+Everything a plugin needs of the core is named here, in three sections (the order of
+:data:`__all__` and of ``docs/writing-plugins.md``, which documents each name; a test keeps
+the page and :data:`__all__` equal):
+
+1. hooks, options and the run: what every plugin uses;
+2. the strategy kit: what a strategy, a backend or a mesh-building plugin needs;
+3. the launcher kit: what a launcher needs to start the ranks of a node (the worker group
+   every distrun launcher runs its ranks in) and to tell its processes apart.
+
+Every other module of the core is private and may move between releases. A plugin states
+the API it was written for with ``DISTRUN_PLUGIN_API = 1`` in its entry-point module; a
+plugin written for another :data:`API_VERSION` is refused with one line when it loads.
 
 Importing this module does not import torch: the names that need torch (marked "torch" in
 the docs) load on first use, so an entry-point module may import them at its top only when
@@ -19,61 +26,37 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from distrun._config.parallel_dims import ParallelDims
-from distrun._config.run_config import CONFIG_ENV, RunConfig, with_values
+from distrun._config.run_config import RunConfig, with_values
 from distrun._config.run_dir import fresh_run_folder
-from distrun._launch.binding import (
-    LOOPBACK,
-    STORE_FD_ENV,
-    bind_address,
-    interface_addresses,
-    listen_socket,
-    server_env,
-)
-from distrun._launch.binding import resolve as resolve_host
-from distrun._launch.exits import ExitWatch, exit_code
-from distrun._launch.folder_lock import RUN_KEY_ENV, new_run_key
-from distrun._launch.generation import GENERATION_ENV
-from distrun._launch.group import (
-    STOP_GRACE,
-    NodeRanks,
-    WorkerGroup,
-    WorkerOutputs,
-    node_services,
-    torchrun_env,
-    wait_with_signals,
-    worker_outputs,
-)
+from distrun._launch.binding import LOOPBACK, bind_address, listen_socket, local_address
+from distrun._launch.exits import exit_code
+from distrun._launch.folder_lock import new_run_key, run_key
+from distrun._launch.group import WorkerGroup, node_services
 from distrun._launch.lifeline import (
-    LAUNCHER_PID_ENV,
-    die_with_launcher,
     die_with_parent,
     launcher_alive,
+    launcher_pid,
     pid_alive,
     pid_start_time,
 )
-from distrun._launch.local import resolve_nproc, warn_oversubscribed
+from distrun._launch.local import resolve_nproc
+from distrun._launch.outputs import WorkerOutputs
 from distrun._launch.ports import free_port
+from distrun._launch.ranks import NodeRanks
 from distrun._launch.reaper import reaped
-from distrun._launch.relay import RankOutput, Relay, new_tail, report_failure
+from distrun._launch.relay import Relay, report_failure
 from distrun._launch.run_folder import render_config
-from distrun._launch.warm import WarmPool, WarmProcess, warm_command
+from distrun._launch.warm import WarmPool
 from distrun._loggers.plot import plot_run
 from distrun._registry.collect import requested_degrees, resolve_run_config
+from distrun._spec import keys
 from distrun._spec.backends import BackendInfo
 from distrun._spec.cluster import ClusterEnv
 from distrun._spec.errors import EXIT_REQUEUE, DistrunError, UsageError, first_line
-from distrun._spec.keys import (
-    COMPILE_TIME,
-    CONSOLE_OWNER,
-    DEVICE_MESH,
-    JOINABLES,
-    PARALLEL_DIMS,
-    UNEVEN_EPOCH,
-)
 from distrun._spec.markers import API_VERSION, hookimpl, hookspec
 from distrun._spec.node import NodeService
-from distrun._spec.options import Option, PluginOptions, option, plugin_options
-from distrun._spec.stash import Stash, StashKey
+from distrun._spec.options import PluginOptions, option
+from distrun._spec.stash import StashKey
 from distrun._spec.strategy import SetupView, Strategy, StrategyInfo
 
 if TYPE_CHECKING:
@@ -83,42 +66,29 @@ if TYPE_CHECKING:
     from distrun._train.rng import seed_everything
     from distrun._train.run import Run
     from distrun._train.sampler import epoch_permutation
-    from distrun._train.schedulers import load_scheduler_states, scheduler_states
-    from distrun._train.step_sync import STEP_SYNC
     from distrun._train.tensors import to_cpu
-    from distrun._worker.store import host_launcher_store, serve_store
+    from distrun._worker.store import join_launcher, serve_store
 
 __all__ = [
-    # hooks and the API version
+    # 1. hooks, options and the run
     "API_VERSION", "hookimpl", "hookspec",
-    # options
-    "Option", "PluginOptions", "RunConfig", "option", "plugin_options", "with_values",
-    "CONFIG_ENV",
-    # strategies, backends, meshes
-    "BackendInfo", "BaseStrategy", "ParallelDims", "SetupView", "Strategy", "StrategyInfo",
-    "requested_degrees",
-    "build_mesh", "init_single_process_group", "prepare_backend",
-    # the run and its stash
-    "Run", "Stash", "StashKey", "COMPILE_TIME", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES",
-    "PARALLEL_DIMS", "STEP_SYNC", "UNEVEN_EPOCH",
-    # errors and exit codes
-    "DistrunError", "UsageError", "first_line", "EXIT_REQUEUE", "ExitWatch", "exit_code",
-    # launching workers
-    "ClusterEnv", "GENERATION_ENV", "LAUNCHER_PID_ENV", "LOOPBACK", "RUN_KEY_ENV",
-    "STOP_GRACE", "STORE_FD_ENV", "bind_address", "fresh_run_folder", "interface_addresses",
-    "listen_socket", "new_run_key", "resolve_host", "resolve_nproc", "resolve_run_config",
-    "server_env", "torchrun_env", "warn_oversubscribed", "free_port",
-    "NodeRanks", "NodeService", "WorkerGroup", "WorkerOutputs", "node_services",
-    "wait_with_signals", "worker_outputs",
-    "host_launcher_store", "serve_store", "WarmPool", "WarmProcess", "warm_command",
-    # worker output
-    "RankOutput", "Relay", "new_tail", "report_failure",
-    # processes
-    "die_with_launcher", "die_with_parent", "launcher_alive", "pid_alive", "pid_start_time",
-    "reaped",
-    # state and results
-    "load_scheduler_states", "scheduler_states", "seed_everything", "to_cpu",
-    "epoch_permutation", "plot_run", "render_config",
+    "PluginOptions", "option", "RunConfig", "with_values",
+    "Run", "StashKey", "keys",
+    "DistrunError", "UsageError", "first_line", "EXIT_REQUEUE",
+    "plot_run", "render_config",
+    # 2. the strategy kit
+    "Strategy", "BaseStrategy", "StrategyInfo", "SetupView", "BackendInfo",
+    "ParallelDims", "requested_degrees", "build_mesh", "init_single_process_group",
+    "prepare_backend", "seed_everything", "to_cpu", "epoch_permutation",
+    # 3. the launcher kit: the worker group ...
+    "WorkerGroup", "NodeRanks", "NodeService", "node_services", "WorkerOutputs",
+    "WarmPool", "Relay", "report_failure", "exit_code", "ClusterEnv",
+    "resolve_nproc", "resolve_run_config", "fresh_run_folder",
+    # ... where the run listens ...
+    "LOOPBACK", "bind_address", "local_address", "listen_socket", "free_port", "serve_store",
+    # ... and which processes are whose
+    "new_run_key", "run_key", "launcher_pid", "launcher_alive", "join_launcher",
+    "die_with_parent", "reaped", "pid_alive", "pid_start_time",
 ]
 
 #: names whose modules import torch, loaded on first use
@@ -129,13 +99,10 @@ _LAZY = {
     "prepare_backend": "distrun._strategies.process_group",
     "seed_everything": "distrun._train.rng",
     "Run": "distrun._train.run",
-    "load_scheduler_states": "distrun._train.schedulers",
-    "scheduler_states": "distrun._train.schedulers",
-    "STEP_SYNC": "distrun._train.step_sync",
-    "host_launcher_store": "distrun._worker.store",
-    "serve_store": "distrun._worker.store",
     "to_cpu": "distrun._train.tensors",
     "epoch_permutation": "distrun._train.sampler",
+    "join_launcher": "distrun._worker.store",
+    "serve_store": "distrun._worker.store",
 }
 
 

@@ -13,7 +13,8 @@ import pytest
 from distrun._config.run_config import resolve_config
 from distrun._registry.collect import collect_options, requested_degrees
 from distrun._registry.manager import make_plugin_manager
-from distrun.plugin import Option, PluginOptions, UsageError, hookimpl, option, plugin_options
+from distrun._spec.options import Option, plugin_options  # the older forms, kept working
+from distrun.plugin import PluginOptions, UsageError, hookimpl, option
 
 
 @dataclass(frozen=True)

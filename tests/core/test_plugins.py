@@ -16,7 +16,8 @@ from distrun.testing import run_cli
 PLUGIN_PY = '''
 """A third-party plugin: a strategy, an option and a hook that writes a marker file."""
 import os
-from distrun.plugin import Option, StrategyInfo, hookimpl
+from distrun._spec.options import Option  # the older declaration form, kept working
+from distrun.plugin import StrategyInfo, hookimpl
 
 
 def _factory(config):

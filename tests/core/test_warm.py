@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from distrun.plugin import WarmPool, pid_alive, warm_command
+from distrun._launch.warm import warm_command
+from distrun.plugin import WarmPool, pid_alive
 
 WORKER = [sys.executable, "-u", "-m", "distrun._worker.main"]
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from distrun._launch.ports import bind_error
 from distrun._spec.errors import UsageError
 
-__all__ = ["BIND_ENV", "LOOPBACK", "STORE_FD_ENV", "addresses_of", "bind_address",
+__all__ = ["BIND_ENV", "LOOPBACK", "STORE_FD_ENV", "addresses_of", "bind_address", "local_address",
            "interface_addresses", "interface_of", "listen_socket", "loopback_interface",
            "resolve", "route_source", "server_env"]
 
@@ -81,6 +81,13 @@ def resolve(host: str) -> str | None:
         return socket.gethostbyname(host)
     except OSError:
         return None
+
+
+def local_address(host: str) -> str | None:
+    """``host``'s address when one of this machine's interfaces has it (127.0.0.1 is the
+    loopback's), else None: another host's, or a name that does not resolve."""
+    address = resolve(host)
+    return address if address in interface_addresses().values() else None
 
 
 def addresses_of(host: str, flag: str) -> str:

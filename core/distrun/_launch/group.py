@@ -1,19 +1,19 @@
 """The ranks of one node: one object that starts them and owns their lives (torch-free).
 
 Every launcher is a policy over a :class:`WorkerGroup`: the local launcher runs one group until
-it ends; distrun-ft runs one per replica group and restarts a lost one; the Ray actor runs a
-group of one rank on its node; the notebook launcher takes the ranks' environment from
-:class:`NodeRanks`. What a rank needs is built here once:
+it ends; the elastic agent starts one at each rendezvous round; distrun-ft runs one per replica
+group and restarts a lost one; the Ray actor runs a group of one rank on its node; the notebook
+launcher takes the ranks' environment from :class:`~distrun._launch.ranks.NodeRanks`. What a
+rank needs is built here once:
 
-- the environment: exactly torchrun's variables (:func:`torchrun_env`), where the ranks'
-  servers listen (:func:`~distrun._launch.binding.server_env`), the launcher's pid for the
-  worker's lifeline, one OpenMP thread per rank where ranks share the node, and the launcher's
-  own variables (``extra``);
+- the environment (:mod:`distrun._launch.ranks`): exactly torchrun's variables, where the
+  ranks' servers listen, the launcher's pid for the worker's lifeline, one OpenMP thread per
+  rank where ranks share the node, and the launcher's own variables (``extra``);
 - rank 0's rendezvous store: a socket bound here and handed to that rank only;
 - the start: forked from a warm spare when the launcher has one, else a new interpreter, each
   in its own session (a signal to the group reaches what the rank started);
-- its output: relayed line by line (``--tee`` prefixes), into ``--log-dir`` files, or left on
-  the launcher's own streams;
+- its output: relayed line by line (``--tee`` prefixes), into ``--log-dir`` files
+  (:mod:`distrun._launch.outputs`), or left on the launcher's own streams;
 - its end: an exit watch that sleeps until a rank exits, signals forwarded, a stop with grace,
   the rank that failed first named with its last line, every process reaped;
 - the node's services: objects with ``started(group)`` and ``ended(group)`` (a plugin offers
@@ -25,181 +25,51 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
-from distrun._config.run_config import DEFAULT_SIGNALS, RunConfig
-from distrun._launch.binding import STORE_FD_ENV, server_env
+from distrun._config.run_config import RunConfig
 from distrun._launch.exits import ExitWatch, exit_code
-from distrun._launch.lifeline import LAUNCHER_PID_ENV
+from distrun._launch.outputs import WorkerOutputs
+from distrun._launch.ranks import NodeRanks
 from distrun._launch.relay import Relay, new_tail, report_failure
 from distrun._launch.warm import WarmPool
 from distrun._spec.node import NodeService
 
-__all__ = ["NodeRanks", "NodeService", "STOP_GRACE", "Worker", "WorkerGroup", "WorkerOutputs",
-           "node_services", "torchrun_env", "wait_with_signals", "worker_outputs"]
+__all__ = ["STOP_GRACE", "Worker", "WorkerGroup", "node_services", "wait_with_signals"]
 
 #: seconds a worker has, after SIGTERM, to save and exit before SIGKILL
 STOP_GRACE = 30.0
+_warned = False  # the oversubscription warning was given (once a process)
 
 
-def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
-                 node_rank: int, nnodes: int, master_addr: str, master_port: int,
-                 run_id: str, restart_count: int = 0, max_restarts: int = 0,
-                 role: str = "default", signals: str = DEFAULT_SIGNALS,
-                 error_file: str | None = None,
-                 environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables torchrun gives a worker (see torch.distributed.run and its agent).
-
-    ``TORCHELASTIC_USE_AGENT_STORE`` is False: rank 0 hosts the store (env://), no agent does.
-    ``error_file`` is where torch's ``@record`` writes a failing worker's error.
-    """
-    environ = os.environ if environ is None else environ
-    env: dict[str, Any] = {
-        "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
-        "LOCAL_WORLD_SIZE": local_world_size, "GROUP_RANK": node_rank,
-        "GROUP_WORLD_SIZE": nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world_size,
-        "ROLE_NAME": role, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port,
-        "TORCHELASTIC_RESTART_COUNT": restart_count, "TORCHELASTIC_MAX_RESTARTS": max_restarts,
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals,
-    }
-    if error_file:
-        env["TORCHELASTIC_ERROR_FILE"] = error_file
-    return {k: str(v) for k, v in env.items()}
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, as taskset or a container sets)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
-@dataclass(frozen=True)
-class NodeRanks:
-    """Where this node's ranks sit in the run: what torchrun's variables tell each of them.
-
-    ``local_ranks`` are the local ranks this group starts (all of ``nproc`` by default; a
-    scheduler that starts one launcher per rank gives one). ``workers_here`` is how many
-    worker processes share this node's cores (several replica groups, say): above one, each
-    rank gets one OpenMP thread unless the user set ``OMP_NUM_THREADS``.
-    """
-
-    nproc: int
-    master_addr: str
-    master_port: int
-    run_id: str
-    node_rank: int = 0
-    nnodes: int = 1
-    world_size: int = 0  # 0: nproc * nnodes
-    first_rank: int = -1  # -1: node_rank * nproc
-    local_ranks: tuple[int, ...] = ()
-    restart_count: int = 0
-    max_restarts: int = 0
-    role: str = "default"
-    signals: str = DEFAULT_SIGNALS
-    #: the address the ranks' servers listen on (gloo, tensorpipe, the store); None: torch's
-    bind: str | None = None
-    workers_here: int = 0  # 0: nproc
-
-    @property
-    def world(self) -> int:
-        return self.world_size or self.nproc * self.nnodes
-
-    @property
-    def base_rank(self) -> int:
-        return self.node_rank * self.nproc if self.first_rank < 0 else self.first_rank
-
-    @property
-    def locals(self) -> tuple[int, ...]:
-        return self.local_ranks or tuple(range(self.nproc))
-
-    def rank_of(self, local_rank: int) -> int:
-        return self.base_rank + local_rank
-
-    def env(self, local_rank: int, environ: Mapping[str, str],
-            extra: Mapping[str, str] | None = None,
-            error_file: str | None = None) -> dict[str, str]:
-        """The whole environment of local rank ``local_rank``: ``environ``, torchrun's
-        variables, the servers' address, the launcher's pid, then ``extra``."""
-        env = dict(environ)
-        env.update(torchrun_env(
-            rank=self.rank_of(local_rank), local_rank=local_rank, world_size=self.world,
-            local_world_size=self.nproc, node_rank=self.node_rank, nnodes=self.nnodes,
-            master_addr=self.master_addr, master_port=self.master_port, run_id=self.run_id,
-            restart_count=self.restart_count, max_restarts=self.max_restarts, role=self.role,
-            signals=self.signals, error_file=error_file, environ=environ))
-        env.update(server_env(self.bind, environ))
-        env[LAUNCHER_PID_ENV] = str(os.getpid())
-        if (self.workers_here or self.nproc) > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(extra or {})
-        return env
-
-
-def _streams(value: str, local_rank: int) -> int:
-    """torchrun's ``--redirects`` value for one local rank: 0 none, 1 out, 2 err, 3 both."""
-    if ":" not in value:
-        return int(value)
-    table = dict(item.split(":") for item in value.split(","))
-    return int(table.get(str(local_rank), "0"))
-
-
-@dataclass
-class WorkerOutputs:
-    """Where a group's output goes: the log folder, torch's error files, the console filter."""
-
-    log_dir: str | None = None
-    error_dir: str | None = None  # None: no error files
-    temporary: str | None = None  # a folder of ours to remove at the end
-    show: Callable[[int, IO[str]], bool] | None = None
-
-    def error_file(self, rank: int) -> str | None:
-        return os.path.join(self.error_dir, f"rank{rank}.error.json") if self.error_dir else None
-
-    def cleanup(self) -> None:
-        if self.temporary:
-            shutil.rmtree(self.temporary, ignore_errors=True)
-            self.temporary = None
-
-
-def worker_outputs(config: RunConfig, first_rank: int) -> WorkerOutputs:
-    """torchrun's --log-dir, --redirects and --local-ranks-filter for this node's workers.
-
-    Logs go to ``--log-dir`` or ``RUN_DIR/logs`` when there is a run folder, else nowhere;
-    torch's error files go beside them, or into a temporary folder removed at the end (as
-    torchrun's own). Redirected output needs files: without a log folder it goes to a kept
-    temporary one, said once.
-    """
-    log_dir = config.log_dir or (os.path.join(config.run_dir, "logs") if config.run_dir else None)
-    temporary = None
-    redirected = config.redirects not in ("0", "")
-    if redirected and not log_dir:
-        log_dir = tempfile.mkdtemp(prefix="distrun-logs-")
+def warn_oversubscribed(nproc: int) -> None:
+    """One warning when this node starts more workers than it has CPU cores (once a process)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    cores = cpu_cores()
+    if nproc > cores:
         sys.stderr.write(
-            f"distrun: --redirects {config.redirects}: worker output goes to {log_dir}\n"
+            f"warning: {nproc} worker processes on {cores} CPU core"
+            f"{'s' if cores != 1 else ''}: they take turns on the cores, so each step is "
+            f"slower than with fewer ranks (--nproc-per-node {cores} fits this machine)\n"
         )
-    if log_dir:
-        error_dir = os.path.abspath(log_dir)  # a worker may change its directory
-    else:
-        error_dir = temporary = tempfile.mkdtemp(prefix="distrun-errors-")
-    shown = {int(r) for r in config.local_ranks_filter.split(",") if r}
-
-    def show(rank: int, dst: IO[str]) -> bool:
-        local = rank - first_rank
-        if shown and local not in shown:
-            return False
-        if redirected:
-            mask = _streams(config.redirects, local)
-            return not mask & (2 if dst is sys.stderr else 1)
-        return True
-
-    return WorkerOutputs(log_dir, error_dir, temporary, show if shown or redirected else None)
 
 
 def node_services(config: RunConfig) -> list[NodeService]:
@@ -226,11 +96,17 @@ class Worker:
 class WorkerGroup:
     """The ranks of one node: start them, relay their output, watch their exits, stop them.
 
+    :attr:`STOP_GRACE` is the seconds a stopping worker gets to save and exit before SIGKILL.
+
     ``relay``: a :class:`Relay` (one is made when None) or False to leave the workers on the
-    launcher's own streams. ``store``: rank 0's rendezvous socket, handed to global rank 0
+    launcher's own streams. ``services``: what runs beside the ranks, told of each start and
+    end (a launcher asks the run's plugins once, :func:`node_services`, and gives the same
+    services every group it starts). ``store``: rank 0's rendezvous socket, handed to global rank 0
     when it is one of this group's (closed here once it is). ``warm``: spares to fork the
     workers from (a rank whose spare cannot starts cold). ``cwd``: the workers' directory.
     """
+
+    STOP_GRACE = STOP_GRACE
 
     def __init__(self, command: Sequence[str], ranks: NodeRanks, *,
                  environ: Mapping[str, str] | None = None,
@@ -260,17 +136,17 @@ class WorkerGroup:
         """The environment local rank ``local_rank`` starts with."""
         rank = self.ranks.rank_of(local_rank)
         extra = self.extra_env(rank) if callable(self.extra_env) else self.extra_env
-        env = self.ranks.env(local_rank, self.environ, extra,
-                             error_file=self.outputs.error_file(rank))
-        if self.store is not None and rank == 0:
-            env[STORE_FD_ENV] = str(self.store.fileno())
-        return env
+        return self.ranks.env(local_rank, self.environ, extra,
+                              error_file=self.outputs.error_file(rank),
+                              store_fd=self.store.fileno() if self.store is not None else None)
 
     def start(self) -> WorkerGroup:
         """Start every rank of the group; the services are told."""
         self.workers = []
         self.stopping_since = None
         self._told_end = False
+        if not self.ranks.local_ranks:  # (a scheduler that placed each rank chose for itself)
+            warn_oversubscribed(self.ranks.workers_here or self.ranks.nproc)
         try:
             for local in self.ranks.locals:
                 self.workers.append(self._start_one(local))
@@ -329,6 +205,16 @@ class WorkerGroup:
             return open(os.path.join(self.outputs.log_dir, f"rank{rank}.log"), "a")  # noqa: SIM115
         except OSError:
             return None
+
+    def run(self) -> int:
+        """Start the ranks and wait for them, SIGINT and SIGTERM to the launcher forwarded to
+        every one; the failed rank named in one line (unless the launcher was asked to stop);
+        everything reaped. The exit code: the failed rank's, else 0."""
+        try:
+            self.start()
+            return wait_with_signals(self)
+        finally:
+            self.close()
 
     # -- watch ------------------------------------------------------------------------------
     def poll(self) -> list[int | None]:

@@ -16,18 +16,20 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with", "die_with_launcher", "die_with_parent",
+__all__ = ["LAUNCHER_PID_ENV", "die_with", "die_with_launcher", "die_with_parent", "launcher_pid",
            "launcher_alive", "pid_alive", "pid_start_time"]
 
 LAUNCHER_PID_ENV = "DISTRUN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def _launcher_pid() -> int | None:
+def launcher_pid(environ: Mapping[str, str] | None = None) -> int | None:
+    """The pid of the launcher that started this process (or the process whose environment
+    ``environ`` is); None when no distrun launcher did."""
     try:
-        return int(os.environ[LAUNCHER_PID_ENV])
+        return int((os.environ if environ is None else environ)[LAUNCHER_PID_ENV])
     except (KeyError, ValueError):
         return None
 
@@ -57,7 +59,7 @@ def pid_start_time(pid: int) -> str | None:
 
 def launcher_alive() -> bool:
     """False once the launcher that started this process is gone (True when there is none)."""
-    pid = _launcher_pid()
+    pid = launcher_pid()
     return pid is None or os.getppid() == pid
 
 
@@ -77,7 +79,7 @@ def _ask_for_signal_at_parent_death(signum: int, prctl: Callable[..., int] | Non
 
 def die_with_launcher() -> None:
     """Be SIGKILLed when the launcher dies; die now if it already has."""
-    pid = _launcher_pid()
+    pid = launcher_pid()
     if pid is not None:
         die_with(pid)
 

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import uuid
 from typing import Any
 
-from distrun._config.run_config import NPROC_WORDS, RunConfig
+from distrun._config.option_values import NPROC_WORDS
+from distrun._config.run_config import RunConfig
 from distrun._launch.binding import bind_address, listen_socket
-from distrun._launch.group import (
-    NodeRanks,
-    WorkerGroup,
-    node_services,
-    wait_with_signals,
-    worker_outputs,
-)
+from distrun._launch.group import WorkerGroup, node_services
+from distrun._launch.outputs import worker_outputs
 from distrun._launch.ports import check_port, free_port
+from distrun._launch.ranks import NodeRanks
 from distrun._spec.errors import UsageError
 
-__all__ = ["cpu_cores", "launch_local", "node_layout", "resolve_nproc", "warn_oversubscribed"]
+__all__ = ["launch_local", "node_layout", "resolve_nproc"]
 
 
 def resolve_nproc(value: Any) -> int:
@@ -45,24 +41,6 @@ def resolve_nproc(value: Any) -> int:
             raise UsageError("--nproc-per-node gpu: no CUDA device is visible (use a number, "
                              "cpu or auto)")
     return os.cpu_count() or 1
-
-
-def cpu_cores() -> int:
-    """The CPU cores this process may run on (its affinity, as taskset or a container sets)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
-
-
-def warn_oversubscribed(nproc: int) -> None:
-    """One warning when this node starts more workers than it has CPU cores."""
-    cores = cpu_cores()
-    if nproc > cores:
-        sys.stderr.write(
-            f"warning: {nproc} worker processes on {cores} CPU core"
-            f"{'s' if cores != 1 else ''}: they take turns on the cores, so each step is "
-            f"slower than with fewer ranks (--nproc-per-node {cores} fits this machine)\n"
-        )
 
 
 def node_layout(config: RunConfig) -> tuple[int, int]:
@@ -84,7 +62,6 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str],
     if in_place is not None:
         return launch_in_place(config, command, environ, in_place)
     nproc, nnodes = node_layout(config)
-    warn_oversubscribed(nproc)
     addr, port = config.master_addr, config.master_port
     if nnodes > 1 and port == 0:
         raise UsageError("--master-port is required with --nnodes > 1 (every node must agree)")
@@ -103,11 +80,7 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str],
     group = WorkerGroup(command, ranks, environ=environ, store=store, tee=config.tee,
                         outputs=worker_outputs(config, ranks.base_rank),
                         services=node_services(config))
-    try:
-        group.start()
-        return wait_with_signals(group)
-    finally:
-        group.close()
+    return group.run()
 
 
 def _store_socket(config: RunConfig, bind: str | None, port: int) -> socket.socket | None:
@@ -165,8 +138,4 @@ def launch_in_place(config: RunConfig, command: list[str], environ: dict[str, st
         outputs.error_dir = None  # the agent's own error file (in ``environ``) is kept
     group = WorkerGroup(command, ranks, environ=environ, extra_env=inherited, tee=config.tee,
                         outputs=outputs, services=node_services(config))
-    try:
-        group.start()
-        return wait_with_signals(group)
-    finally:
-        group.close()
+    return group.run()

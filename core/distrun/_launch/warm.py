@@ -251,6 +251,12 @@ class WarmPool:
         self.zygotes: dict[int, _Zygote] = {
             lr: _Zygote(self.command, self.env, self.cwd) for lr in range(local_ranks)}
 
+    @staticmethod
+    def serves(command: Sequence[str]) -> bool:
+        """Whether a spare can fork ``command``: ``PYTHON [FLAGS] -m distrun._worker.main ...``
+        (distrun's worker, which every ``distrun run`` starts; not another program)."""
+        return warm_command(command) is not None
+
     def spawn(self, local_rank: int, args: Sequence[str], env: Mapping[str, str],
               stdio: Sequence[int] = (0, 1, 2), cwd: str | None = None) -> WarmProcess | None:
         """Fork worker ``args`` with exactly ``env``, ``cwd`` and fds 0-2 ``stdio``; None when

@@ -9,7 +9,8 @@ from distrun._spec.stash import StashKey
 if TYPE_CHECKING:
     from distrun._config.parallel_dims import ParallelDims
 
-__all__ = ["COMPILE_TIME", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "UNEVEN_EPOCH"]
+__all__ = ["COMPILE_TIME", "CONSOLE_OWNER", "DEVICE_MESH", "JOINABLES", "PARALLEL_DIMS", "STEP_SYNC",
+           "UNEVEN_EPOCH"]
 
 #: the run's ``torch.distributed.device_mesh.DeviceMesh``, set by mesh-building strategies
 DEVICE_MESH: StashKey[Any] = StashKey("device_mesh")
@@ -26,3 +27,6 @@ CONSOLE_OWNER: StashKey[str] = StashKey("console_owner")
 #: seconds (a float: compiling, and steps' waits for other ranks' compiles) grow while
 #: dynamo compiles, so a display can leave them out of its rate
 COMPILE_TIME: StashKey[Any] = StashKey("compile_time")
+#: the loop's step synchronizer (a ``Joinable``: stop votes and metric reductions at step
+#: boundaries), for a plugin that joins the loop's collectives (Join)
+STEP_SYNC: StashKey[Any] = StashKey("loop.step_sync")

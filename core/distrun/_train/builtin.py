@@ -15,21 +15,21 @@ from distrun._spec.markers import hookimpl
 
 @hookimpl
 def distrun_setup_model(run):
-    from distrun._train.loop import wrap_model
+    from distrun._train.build import wrap_model
 
     wrap_model(run)
 
 
 @hookimpl
 def distrun_setup_optimizer(run):
-    from distrun._train.loop import build_optimizer
+    from distrun._train.build import build_optimizer
 
     build_optimizer(run)
 
 
 @hookimpl
 def distrun_setup_data(run):
-    from distrun._train.loop import build_loaders
+    from distrun._train.build import build_loaders
 
     build_loaders(run)
 
@@ -138,7 +138,7 @@ def distrun_state_dict(run) -> dict[str, Any]:
         from distrun._train.schedulers import scheduler_states
 
         state["schedulers"] = scheduler_states(run.schedulers)
-    from distrun._train.loop import STREAM
+    from distrun._train.build import STREAM
 
     cursor = run.stash.get(STREAM)
     if cursor is not None and cursor.state is not None:
@@ -156,7 +156,7 @@ def distrun_load_state_dict(run, state):
         run.sampler.load_state_dict(state["sampler"])
     if "rng" in state:
         set_rng_state(state["rng"])
-    from distrun._train.loop import STREAM
+    from distrun._train.build import STREAM
 
     cursor = run.stash.get(STREAM)
     if cursor is not None and "stream" in state:

@@ -1,4 +1,8 @@
-"""The core's own loop: setup, fit, epoch, step, validation. Plugins wrap these via hooks."""
+"""The core's own loop: setup, fit, epoch, step, validation. Plugins wrap these via hooks.
+
+What the setup hooks build is :mod:`distrun._train.build`; what the steps log between two log
+rows, and its packing for the ranks' reduction, is :mod:`distrun._train.log_window`.
+"""
 
 from __future__ import annotations
 
@@ -19,31 +23,19 @@ from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import COMPILE_TIME, UNEVEN_EPOCH
 from distrun._spec.stash import StashKey
 from distrun._train import models
-from distrun._train.datamodule import data_of, prepare
-from distrun._train.iterable import StreamCursor, stream_loader
-from distrun._train.limits import overfit_val_data, set_deterministic, train_limit
-from distrun._train.loaders import map_loader
+from distrun._train.build import STREAM, _describe
+from distrun._train.limits import set_deterministic
+from distrun._train.log_window import _WINDOW, _pack_window, _Window
 from distrun._train.metric_objects import place_metrics
 from distrun._train.metrics import Accumulator, LogTarget, logging_to
-from distrun._train.optimizers import (
-    build_optimizers,
-    check_manual,
-    is_manual,
-    wrap_optimizers,
-)
+from distrun._train.optimizers import is_manual
 from distrun._train.rng import seed_everything
 from distrun._train.run import Run
-from distrun._train.sampler import ResumableSampler, is_map_dataset
 from distrun._train.schedulers import normalize_schedulers, step_schedulers
-from distrun._train.stages import eval_loader
 from distrun._train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
 from distrun._train.tensors import batch_len, to_device
 
-__all__ = ["STREAM", "fit_loop", "setup_run"]
-
-#: the cursor of a stateful training loader (an IterableDataset's, or the task's own
-#: StatefulDataLoader): where a checkpoint resumes the stream
-STREAM: StashKey[StreamCursor] = StashKey("loop.stream")
+__all__ = ["fit_loop", "setup_run"]
 
 log = logging.getLogger("distrun")
 
@@ -71,90 +63,6 @@ def setup_run(run: Run) -> None:
     run.lr_scheduler = run.schedulers[0].scheduler if run.schedulers else None
 
 
-# -- the core's implementations of the setup hooks ------------------------------------------
-
-
-def wrap_model(run: Run) -> None:
-    if run.config.activation_checkpointing:
-        from distrun._train.activation_ckpt import apply_activation_checkpointing
-
-        count = apply_activation_checkpointing(run.model, run.config.activation_checkpointing)
-        if run.is_global_zero:
-            log.info("Activation checkpointing: %d modules recompute their activations in "
-                     "the backward pass", count)
-    run.model = models.wrap_model(run.strategy, run.model)  # each of a distrun.Models
-    if run.config.compile:
-        # In place (nn.Module.compile): the module and its state_dict keys stay as they were
-        # (no `_orig_mod.`), and it compiles what the strategy made: DDP's module with its
-        # bucketed all-reduces (DDPOptimizer), FSDP2/TP modules with their collectives, a
-        # pipeline's stage modules. The clock times it (said once, left out of samples/s).
-        from distrun._train.compiling import start_clock
-
-        start_clock(run)
-        models.compile_model(run.strategy, run.model)
-
-
-def build_optimizer(run: Run) -> None:
-    if run.optimizer is None and callable(getattr(run.task, "configure_optimizers", None)):
-        build_optimizers(run)  # Lightning's: several optimizers (and schedulers)
-    if run.optimizer is None:
-        made = run.task.configure_optimizer(run.model.parameters())
-        if isinstance(made, Mapping):  # Lightning's {"optimizer": o, "lr_scheduler": s}
-            if "optimizer" not in made:
-                raise UsageError("configure_optimizer returned a dict without 'optimizer'; "
-                                 "return an optimizer or {'optimizer': o, 'lr_scheduler': s}")
-            run.optimizer = made["optimizer"]
-            if made.get("lr_scheduler") is not None and run.lr_scheduler is None:
-                run.lr_scheduler = made["lr_scheduler"]
-        else:
-            run.optimizer = made
-        if not _is_optimizer(run.optimizer):
-            raise UsageError(
-                f"{type(run.task).__name__}.configure_optimizer(params) returned "
-                f"{_describe(run.optimizer)}; it must return a torch.optim.Optimizer (e.g. "
-                "`return torch.optim.AdamW(params, lr=1e-3)`) or {'optimizer': o, "
-                "'lr_scheduler': s}")
-        sched = getattr(run.task, "configure_scheduler", None)
-        if sched is not None and run.lr_scheduler is None:
-            run.lr_scheduler = sched(run.optimizer)
-    run.optimizer = wrap_optimizers(run.strategy, run.optimizer)
-    check_manual(run)
-
-
-def build_loaders(run: Run) -> None:
-    cfg, st = run.config, run.strategy
-    prepare(run)
-    collate = data_of(run, "collate_fn")
-    # A generator of its own: iter(DataLoader) otherwise draws a seed from the global RNG,
-    # so a resume mid-epoch would shift the RNG stream (dropout) against the uninterrupted run.
-    common: dict[str, Any] = dict(num_workers=cfg.num_workers, collate_fn=collate,
-                  pin_memory=st.device.type == "cuda",
-                  persistent_workers=cfg.num_workers > 0,
-                  generator=torch.Generator().manual_seed(cfg.seed))
-    if "fit" not in cfg.stage.split(","):
-        data = None  # an evaluation session: no training data to read
-    else:
-        data = data_of(run, "train_data")
-    if data is None:
-        pass
-    elif isinstance(data, torch.utils.data.IterableDataset):
-        run.train_loader = stream_loader(data, cfg.batch_size, st.dp_rank, st.dp_world_size,
-                                         **common)
-    elif is_map_dataset(data):
-        run.sampler = ResumableSampler(len(data), cfg.batch_size, st.dp_rank, st.dp_world_size,
-                                       seed=cfg.seed, shuffle=not cfg.overfit_batches,
-                                       limit=train_limit(cfg), drop_last=cfg.drop_last)
-        run.train_loader = map_loader(data, run.sampler, **common)
-    else:
-        run.train_loader = data
-    if hasattr(run.train_loader, "state_dict") and hasattr(run.train_loader, "load_state_dict"):
-        run.stash[STREAM] = StreamCursor(run.train_loader)  # a stateful loader: resumable
-    if cfg.overfit_batches and data is not None and is_map_dataset(data):
-        run.val_loader = eval_loader(run, overfit_val_data(run, data))
-        return
-    run.val_loader = eval_loader(run, data_of(run, "val_data"))
-
-
 # -- the loop ------------------------------------------------------------------------------
 
 
@@ -170,61 +78,7 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     yield prev, True
 
 
-class _Window:
-    """Loss and sample counts since the last log, kept as tensors (no per-step sync)."""
-
-    #: losses kept before they are summed into one tensor (bounds the memory of long windows)
-    FOLD = 64
-
-    def __init__(self, clock: Any = None) -> None:
-        #: what the steps log per log row (names persist across rows: see metrics.py)
-        self.logged = Accumulator()
-        #: the torch.compile clock (--compile), whose time samples/s leaves out
-        self.clock = clock
-        #: the epoch the steps in the window trained in (set as each epoch starts)
-        self.epoch = 0
-        self.reset()
-        if clock is not None:
-            clock.mark_step()  # the fit's first step starts
-
-    def reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.folded: torch.Tensor | None = None
-        self.micro = 0
-        self.samples = 0
-        self.started = time.perf_counter()
-        #: under --compile: the clock's seconds at the reset, and those compiled during
-        #: validation since (validation's whole time is left out already)
-        self.compiled_at_reset = self.clock.excluded if self.clock is not None else 0.0
-        self.compiled_in_validation = 0.0
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """Keep the step's loss (a list append: the sum is taken at the log step)."""
-        self.losses.append(loss.detach())
-        if len(self.losses) >= self.FOLD:
-            self.folded = self.total()
-            self.losses = []
-
-    def total(self) -> torch.Tensor:
-        """The sum of the losses so far, in float64, on their device (0 when there is none)."""
-        parts = [_sum(self.losses)] if self.losses else []
-        if self.folded is not None:
-            parts.append(self.folded)
-        if not parts:
-            return torch.zeros((), dtype=torch.float64)
-        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
-def _sum(losses: list[torch.Tensor]) -> torch.Tensor:
-    try:
-        return torch.stack(losses).to(torch.float64).sum()
-    except RuntimeError:  # losses of different shapes or devices: one at a time
-        return sum((t.to(torch.float64).sum() for t in losses), torch.zeros((), dtype=torch.float64,
-                                                                           device=losses[0].device))
-
-
-#: the loop's own slots on the run
-_WINDOW: StashKey[_Window] = StashKey("loop.window")
+# the loop's own slots on the run (the log window's: log_window._WINDOW)
 #: what the steps log per epoch (``on_epoch``), reduced and logged at each epoch's end
 _EPOCH_LOGGED: StashKey[Accumulator] = StashKey("loop.epoch_logged")
 _VALIDATED_AT: StashKey[int] = StashKey("loop.validated_at_step")
@@ -298,20 +152,6 @@ def _log_epoch_values(run: Run) -> None:
 
 
 _NONFINITE_SEEN: StashKey[bool] = StashKey("loop.nonfinite_seen")
-
-
-def _is_optimizer(value: Any) -> bool:
-    """A torch optimizer, or one shaped like it (``step`` and ``zero_grad``)."""
-    return isinstance(value, torch.optim.Optimizer) or (
-        callable(getattr(value, "step", None)) and callable(getattr(value, "zero_grad", None)))
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "None"
-    if isinstance(value, dict):
-        return f"a dict (keys {', '.join(map(repr, list(value)[:5]))})"
-    return f"a {type(value).__name__} ({str(value)[:40]!r})"
 
 
 def _check_loss(run: Run, loss: Any, epoch: int) -> None:
@@ -505,56 +345,6 @@ def _nothing(**kwargs: Any) -> None:
 
 #: the context of a micro-batch that syncs (one shared instance: nullcontext is reentrant)
 _NULL = contextlib.nullcontext()
-
-
-def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
-    """The window since the last log as values to sum over ranks, and what logs the sums as
-    ``step`` (the step sync sends them with its vote and calls ``done`` at the next boundary,
-    so no rank waits on them)."""
-    window = run.stash[_WINDOW]
-    loss = window.total()
-    packed = torch.stack([  # on the loss's device: no host sync here
-        loss.reshape(()),
-        torch.tensor(float(window.micro), dtype=torch.float64, device=loss.device),
-        torch.tensor(float(window.samples), dtype=torch.float64, device=loss.device)])
-    logged = window.logged
-    if logged:
-        packed = torch.cat([packed, logged.pack(loss.device)])
-    elapsed = time.perf_counter() - window.started
-    compile_s = None
-    clock = window.clock
-    if clock is not None:  # compiling is no ordinary step: out of samples/s, in compile_s
-        elapsed -= clock.excluded - window.compiled_at_reset - window.compiled_in_validation
-        compile_s = clock.take_unlogged() or None
-    elapsed = max(elapsed, 1e-9)
-    window.reset()
-    epoch = float(window.epoch)
-    lr = None
-    if run.optimizer is not None and run.optimizer.param_groups:
-        lr = float(run.optimizer.param_groups[0].get("lr", 0.0))
-
-    def done(summed: torch.Tensor) -> None:
-        loss_sum, micro, samples = summed[:3].tolist()
-        if micro == 0 and samples == 0:
-            return
-        metrics = {
-            # ranks of one data-parallel replica (TP) saw the same samples: count them once
-            "samples_per_sec": samples / elapsed * run.strategy.dp_world_size / run.world_size,
-            "epoch": epoch,
-            "step": float(step),
-        }
-        if micro:  # (a manual step may return no loss)
-            metrics = {"loss": loss_sum / micro, **metrics}
-        if lr is not None:
-            metrics["lr"] = lr
-        if compile_s is not None:
-            metrics["compile_s"] = compile_s
-        if summed.numel() > 3:
-            metrics.update(logged.unpack(summed[3:]))
-        run.metrics.update(metrics)
-        run.hook.distrun_log_metrics(run=run, step=step, metrics=metrics)
-
-    return packed, done
 
 
 def validate(run: Run) -> Mapping[str, float]:

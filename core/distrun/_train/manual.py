@@ -118,13 +118,8 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
     """The core's ``distrun_run_epoch`` under manual optimization: one training step per
     batch, the task's ``training_step`` doing backward and the optimizer steps."""
     from distrun._spec.keys import UNEVEN_EPOCH
-    from distrun._train.loop import (
-        _WINDOW,
-        _check_loss,
-        _loss_of,
-        epoch_start,
-        step_boundary,
-    )
+    from distrun._train.log_window import _WINDOW
+    from distrun._train.loop import _check_loss, _loss_of, epoch_start, step_boundary
     from distrun._train.metrics import logging_to
     from distrun._train.step_sync import STEP_SYNC
     from distrun._train.tensors import batch_len, to_device

@@ -300,3 +300,16 @@ class Run:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hook.distrun_load_state_dict(run=self, state=state)
+
+    def scheduler_states(self) -> list[Any]:
+        """The ``state_dict`` of each of the run's LR schedulers that has one, in order (for a
+        plugin that keeps the optimizer's state its own way, as Join's uneven-input wrapper)."""
+        from distrun._train.schedulers import scheduler_states
+
+        return scheduler_states(self.schedulers)
+
+    def load_scheduler_states(self, states: list[Any]) -> None:
+        """Give each stateful scheduler back its state from :meth:`scheduler_states`."""
+        from distrun._train.schedulers import load_scheduler_states
+
+        load_scheduler_states(self.schedulers, states)

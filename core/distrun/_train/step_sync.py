@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from distrun._spec.stash import StashKey
+from distrun._spec.keys import STEP_SYNC
 
 if TYPE_CHECKING:
     from distrun._train.run import Run
@@ -271,4 +271,3 @@ class _Shadow(JoinHook):
 
 
 #: the fit's :class:`StepSync`; distrun-join adds it (last) to the Joinables of an epoch
-STEP_SYNC: StashKey[StepSync] = StashKey("loop.step_sync")

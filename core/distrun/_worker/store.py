@@ -26,8 +26,9 @@ import sys
 from typing import Any
 
 from distrun._launch.binding import STORE_FD_ENV
+from distrun._launch.lifeline import die_with_launcher
 
-__all__ = ["host_launcher_store", "serve_store"]
+__all__ = ["host_launcher_store", "join_launcher", "serve_store"]
 
 #: the stores this process serves: torch's per-port server lives while one of them does
 _served: list[Any] = []
@@ -103,6 +104,14 @@ def _serve_rendezvous_on(fd: int) -> None:
                         master_listen_fd=os.dup(fd))
 
     rdzv._create_c10d_store = create_on_launcher_socket
+
+
+def join_launcher() -> None:
+    """What a worker does first, as every distrun worker does: ask to be killed when its
+    launcher dies, and, as rank 0, serve the rendezvous store on the socket the launcher bound
+    (for a launcher that forks its ranks itself, such as the notebook launcher)."""
+    die_with_launcher()
+    host_launcher_store()
 
 
 def host_launcher_store() -> None:

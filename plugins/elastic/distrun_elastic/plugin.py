@@ -32,9 +32,8 @@ def distrun_launch(config, command, environ):
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
-    from distrun.plugin import node_services, warn_oversubscribed
-    from distrun_elastic.agent import launch_elastic
+    from distrun.plugin import node_services
+    from distrun_elastic.launch import launch_elastic
 
-    warn_oversubscribed(plan.nproc_per_node)
-
+    # (the worker group warns once when this node's ranks outnumber its cores)
     return launch_elastic(plan, command, environ, services=node_services(config))

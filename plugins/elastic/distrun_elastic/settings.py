@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distrun.plugin import (
-    CONFIG_ENV,
-    RUN_KEY_ENV,
     RunConfig,
     UsageError,
     bind_address,
@@ -56,7 +54,7 @@ def wants_elastic(config: RunConfig) -> bool:
 
 @dataclass(frozen=True)
 class ElasticPlan:
-    """Everything :func:`distrun_elastic.agent.launch_elastic` hands to torch's agent."""
+    """Everything :func:`distrun_elastic.launch.launch_elastic` hands to torch's agent."""
 
     min_nodes: int
     max_nodes: int
@@ -80,6 +78,10 @@ class ElasticPlan:
     heartbeat_timeout: float = 15.0
     #: fork the workers from a warm spare per local rank (distrun.plugin.WarmPool)
     warm_restart: bool = True
+    #: the config the workers take (resume, run name as the elastic launch sets them)
+    config: Any = None
+    #: the run's key, the same on every node of a multi-node run ("": the launcher's own)
+    run_key: str = ""
 
     @property
     def heartbeat_interval(self) -> float:
@@ -229,9 +231,8 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         updates["resume"] = "auto"
     if updates:
         config = with_values(config, source="elastic", **updates)
-    environ[CONFIG_ENV] = config.to_json()
-    if hi > 1:  # the nodes of one run share its folders: one key for their locks
-        environ[RUN_KEY_ENV] = new_run_key(run_id, endpoint)
+    # the nodes of one run share its folders: one key for their locks
+    run_key = new_run_key(run_id, endpoint) if hi > 1 else ""
     host, _ = split_endpoint(endpoint)
     # where this node's servers listen; on one node it is also the address workers meet at
     bind = bind_address(hi, host, config.local_addr)
@@ -247,7 +248,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
         heartbeat_timeout=opts.heartbeat_timeout,
-        warm_restart=opts.warm_restart,
+        warm_restart=opts.warm_restart, config=config, run_key=run_key,
     )
     return plan, config
 

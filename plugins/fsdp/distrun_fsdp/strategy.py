@@ -1,7 +1,7 @@
 """``FSDPStrategy``: FSDP2 ``fully_shard`` over the data-parallel dimensions of a device mesh.
 
 The mesh is ``dp x tp`` (``dp_replicate x dp_shard x tp`` with HSDP), described by
-:class:`distrun.plugin.ParallelDims` and published as ``run.stash[DEVICE_MESH]`` and
+:class:`distrun.plugin.ParallelDims` and published as ``run.stash[keys.DEVICE_MESH]`` and
 ``strategy.mesh`` so the tp plugin can parallelize the model over ``"tp"`` first (2D).
 """
 
@@ -19,18 +19,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from distrun.plugin import (
-    DEVICE_MESH,
-    PARALLEL_DIMS,
     BaseStrategy,
     build_mesh,
     init_single_process_group,
+    keys,
 )
 from distrun_fsdp.options import FsdpOptions
 from distrun_fsdp.plugin import parallel_dims
 from distrun_fsdp.wrap import apply_fsdp, find_blocks, mixed_precision, offload_policy
 
 if TYPE_CHECKING:
-    from distrun.plugin import Run
+    from distrun.plugin import Run, keys
 
 __all__ = ["FSDPStrategy", "clip_grad_norm"]
 
@@ -50,8 +49,8 @@ class FSDPStrategy(BaseStrategy):
         self.dp_rank = coord.get("dp", 0) if self.dims.dp_replicate == 1 else \
             coord["dp_replicate"] * self.dims.dp_shard + coord["dp_shard"]
         self.dp_world_size = self.dims.dp
-        run.stash[DEVICE_MESH] = self.mesh
-        run.stash[PARALLEL_DIMS] = self.dims
+        run.stash[keys.DEVICE_MESH] = self.mesh
+        run.stash[keys.PARALLEL_DIMS] = self.dims
         run.log.info("fsdp: %s", self.dims)
 
     @property

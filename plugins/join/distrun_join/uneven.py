@@ -3,7 +3,7 @@
 Two ways, chosen per epoch by :func:`choose_mode`:
 
 - ``join``: torch's ``Join`` context with every ``Joinable`` of the run (the DDP model, a
-  ZeroRedundancyOptimizer, anything in ``run.stash[JOINABLES]``). A rank that runs out
+  ZeroRedundancyOptimizer, anything in ``run.stash[keys.JOINABLES]``). A rank that runs out
   shadows the others' collectives until all are done; then the ranks agree again on the
   parameters (DDP's post-hook), the optimizer and scheduler state, and the step counters.
 - ``agree``: the ranks agree on the epoch's length before using a batch (an all-reduce MIN of
@@ -27,14 +27,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
 from distrun.plugin import (
-    JOINABLES,
-    STEP_SYNC,
-    UNEVEN_EPOCH,
     DistrunError,
     Run,
     StashKey,
-    load_scheduler_states,
-    scheduler_states,
+    keys,
     to_cpu,
 )
 from distrun_join.options import JoinOptions
@@ -49,7 +45,7 @@ _ANNOUNCED: StashKey[bool] = StashKey("join.announced")  # the mode was logged o
 def joinables(run: Run) -> list[Any]:
     """The run's ``Joinable`` objects: model and optimizer first, then other plugins' ones."""
     found = [obj for obj in (run.model, run.optimizer) if isinstance(obj, Joinable)]
-    found += [obj for obj in run.stash.get(JOINABLES, ()) if obj not in found]
+    found += [obj for obj in run.stash.get(keys.JOINABLES, ()) if obj not in found]
     return found
 
 
@@ -98,7 +94,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
                  "the end of each epoch", ", ".join(type(j).__name__ for j in found))
     # The loop's own step-boundary collectives (stop vote, metric reduction) go last: a rank
     # that joined shadows them after the model's and optimizer's.
-    sync = run.stash.get(STEP_SYNC)
+    sync = run.stash.get(keys.STEP_SYNC)
     join = Join([*found, *([sync] if sync is not None else [])],
                 throw_on_early_termination=opts.join_throw_on_early_termination,
                 divide_by_initial_world_size=opts.join_divide_by_initial_world_size)
@@ -106,7 +102,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
     if cfg.grad_accum > 1:
         run.train_loader = WholeGroups(loader, cfg.grad_accum)
     body_done = False
-    run.stash[UNEVEN_EPOCH] = True
+    run.stash[keys.UNEVEN_EPOCH] = True
     try:
         with join:
             yield
@@ -124,7 +120,7 @@ def _joined(run: Run, epoch: int) -> Iterator[None]:
                 "give every rank the same number of batches)") from exc
         raise
     finally:
-        run.stash[UNEVEN_EPOCH] = False
+        run.stash[keys.UNEVEN_EPOCH] = False
         run.train_loader = loader
     _resync(run, found)
 
@@ -152,12 +148,12 @@ def _resync(run: Run, found: list[Any]) -> None:
     if run.rank == last:
         optim_sd = None if run.optimizer in found or run.optimizer is None \
             else to_cpu(run.optimizer.state_dict())
-        states = [optim_sd, scheduler_states(run.schedulers)]
+        states = [optim_sd, run.scheduler_states()]
     dist.broadcast_object_list(states, src=last)
     if run.rank != last:
         if states[0] is not None:
             run.optimizer.load_state_dict(states[0])
-        load_scheduler_states(run.schedulers, states[1])
+        run.load_scheduler_states(states[1])
 
 
 class WholeGroups:

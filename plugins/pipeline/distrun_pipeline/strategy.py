@@ -20,19 +20,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from distrun.plugin import (
-    DEVICE_MESH,
-    PARALLEL_DIMS,
     BaseStrategy,
     ParallelDims,
     UsageError,
     build_mesh,
+    keys,
 )
 from distrun_pipeline import schedules, split, state
 from distrun_pipeline.options import PipelineOptions
 from distrun_pipeline.pipe import Pipeline, PipelineHooks
 
 if TYPE_CHECKING:
-    from distrun.plugin import SetupView
+    from distrun.plugin import SetupView, keys
 
 __all__ = ["PipelineDDPStrategy", "PipelineFSDPStrategy", "PipelineStrategy"]
 
@@ -63,7 +62,7 @@ class PipelineStrategy(BaseStrategy):
                              f"{pp} on {self.world_size} ranks (launch with "
                              "--nproc-per-node 2 or more)")
         # What other plugins add (mixed precision, ZeRO, a tp degree) they check themselves
-        # against the layout this strategy publishes (PARALLEL_DIMS, pp > 1).
+        # against the layout this strategy publishes (keys.PARALLEL_DIMS, pp > 1).
         self.dims = ParallelDims.from_world(self.world_size, pp=pp)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, cfg.timeout)
         coord = dict(zip(self.dims.mesh_dim_names, self.mesh.get_coordinate() or (),
@@ -87,8 +86,8 @@ class PipelineStrategy(BaseStrategy):
         self.local_batch = local
         self.task = run.task
         self.log = run.log
-        run.stash[DEVICE_MESH] = self.mesh
-        run.stash[PARALLEL_DIMS] = self.dims
+        run.stash[keys.DEVICE_MESH] = self.mesh
+        run.stash[keys.PARALLEL_DIMS] = self.dims
         run.log.info("pp: %s, schedule %s, %d stages, %d micro-batches", self.dims, name,
                      self.stages, self.microbatches)
         self.pipeline: Pipeline | None = None

@@ -10,7 +10,7 @@ off by a partition, frozen, or a run started earlier on the same folder) is *fen
 is dropped and it fails with one line.
 
 One start is one launcher's rendezvous round: the processes a launcher starts in one round
-(``LAUNCHER_PID_ENV``, the run's key ``RUN_KEY_ENV`` and the rendezvous generation, recorded as
+(``distrun.plugin.launcher_pid``, the run's key ``distrun.plugin.run_key`` and the rendezvous generation, recorded as
 the generation file's ``round``) share its generation. Rank 0 of an elastic round or of a
 ``distrun run`` draws once anyway; the case is ``distrun run --ft``, whose replica groups are one
 run that a single launcher keeps in one round, each group writing while it is the lowest live
@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.plugin import LAUNCHER_PID_ENV, RUN_KEY_ENV, pid_alive, pid_start_time
+from distrun.plugin import launcher_pid, pid_alive, pid_start_time, run_key
 from distrun_safetensors.errors import CheckpointError, FencedError
 from distrun_safetensors.files import fsync_dir
 from distrun_safetensors.manifest import (
@@ -245,10 +245,10 @@ def round_key(rdzv_generation: int = 0, environ: Mapping[str, str] | None = None
     launcher (host, pid and the pid's start time), the run's key and ``rdzv_generation``;
     None when the process was not started by a distrun launcher."""
     env = os.environ if environ is None else environ
-    pid, key = env.get(LAUNCHER_PID_ENV, "").strip(), env.get(RUN_KEY_ENV, "").strip()
-    if not pid.isdigit() or not key:
+    pid, key = launcher_pid(env), run_key(env)
+    if pid is None:
         return None
-    started = pid_start_time(int(pid))
+    started = pid_start_time(pid)
     if started is None:  # the launcher is gone: nothing left to share a round with
         return None
     return f"{key}/{HOST}/{pid}/{started}/{rdzv_generation}"

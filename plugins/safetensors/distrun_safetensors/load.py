@@ -27,7 +27,7 @@ from distrun_safetensors.manifest import (
 )
 from distrun_safetensors.paths import checked_path, read_member
 from distrun_safetensors.pieces import DTYPES, box_of, covered, is_dtensor, read_box
-from distrun_safetensors.save import optimizer_names
+from distrun_safetensors.rank_files import optimizer_names
 from distrun_safetensors.statecodec import decode
 from distrun_safetensors.validation import validate
 

@@ -5,7 +5,8 @@ each rank reports its files with sizes and CRC-32Cs to rank 0, which commits the
 (:mod:`~distrun_safetensors.commit`: the indexes and the manifest, then, under the folder's
 commit lock and only when no newer generation took over, the rename to ``step-N`` and the new
 ``latest``). Old checkpoints are pruned only after that. Rank 0 draws this start's generation
-(:mod:`~distrun_safetensors.fence`) at its first save.
+(:mod:`~distrun_safetensors.fence`) at its first save. What one rank writes is
+:mod:`~distrun_safetensors.rank_files`.
 """
 
 from __future__ import annotations
@@ -30,72 +31,20 @@ from distrun_safetensors.fence import (
     STALE_AFTER,
     draw_generation,
 )
-from distrun_safetensors.files import (
-    CheckpointError,
-    write_json,
-    write_safetensors,
-)
+from distrun_safetensors.files import CheckpointError
 from distrun_safetensors.leftovers import LOCK_SUFFIX, claim
-from distrun_safetensors.manifest import (
-    FORMAT,
-    MONITOR,
-    data_file,
-    read_latest,
-    state_files,
-)
-from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces, tensor_bytes
+from distrun_safetensors.manifest import MONITOR, read_latest
+from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces
+from distrun_safetensors.rank_files import _write_rank_files, collect_optimizer
 from distrun_safetensors.retention import (
     Retention,
     prune,
 )
 from distrun_safetensors.statecodec import encode
 
-__all__ = ["Checkpointer", "Retention", "optimizer_names"]
+__all__ = ["Checkpointer", "Retention"]
 
 log = logging.getLogger("distrun")
-
-
-def optimizer_names(optimizer: Any, model: torch.nn.Module) -> list[list[str]]:
-    """Parameter names of each optimizer param group, in ``state_dict`` index order."""
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    out, i = [], 0
-    for group in optimizer.param_groups:
-        row = []
-        for p in group["params"]:
-            row.append(names.get(id(p), f"#{i}"))
-            i += 1
-        out.append(row)
-    return out
-
-
-def collect_optimizer(optimizer: Any, model: torch.nn.Module) -> tuple[
-        list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """(named state tensors, JSON description) of an optimizer, keyed by parameter name."""
-    sd = optimizer.state_dict()
-    groups = optimizer_names(optimizer, model)
-    flat = [n for row in groups for n in row]
-    tensors: list[tuple[str, torch.Tensor]] = []
-    state: dict[str, Any] = {}
-    for index, values in sd["state"].items():
-        pname = flat[index]
-        entry = {}
-        for skey, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tname = f"{pname}/{skey}"
-                tensors.append((tname, value))
-                entry[skey] = {"__tensor__": tname}
-            else:
-                entry[skey] = encode(value, f"optimizer.{pname}.{skey}", None)
-        state[pname] = entry
-    param_groups = []
-    for group, row in zip(sd["param_groups"], groups, strict=False):
-        hyper = {k: encode(v, f"optimizer.param_groups.{k}", None)
-                 for k, v in group.items() if k != "params"}
-        param_groups.append({"params": row, **hyper})
-    return tensors, {"param_groups": param_groups, "state": state,
-                     "class": type(optimizer).__name__}
 
 
 class Checkpointer:
@@ -413,54 +362,3 @@ def _said(exc: BaseException) -> str:
         what = "the disk is full" if exc.errno in _FULL else "a system call failed"
         return f"{what}: {exc.strerror}{where}"
     return str(exc)
-
-
-def _write_rank_files(job: dict[str, Any], tmp: str) -> dict[str, Any]:
-    """Write this rank's files into ``tmp``; a system error names the file it hit."""
-    current: list[str] = []
-    try:
-        return _write_files(job, tmp, current)
-    except OSError as exc:
-        if exc.filename or not current or exc.strerror is None:
-            raise
-        raise OSError(exc.errno, exc.strerror, current[-1]) from exc
-
-
-def _write_files(job: dict[str, Any], tmp: str, current: list[str]) -> dict[str, Any]:
-    rank, world = job["rank"], job["world"]
-    files: dict[str, Any] = {}
-    described: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
-    for kind in ("model", "optim"):
-        mine = [p for k, p in job["pieces"] if k == kind]
-        if not mine:
-            continue
-        fname = data_file(kind, rank, world)
-        entries = [(p.key, p.dtype, list(p.tensor.shape), p.nbytes) for p in mine]
-        current.append(os.path.join(tmp, fname))
-        files[fname] = write_safetensors(current[-1], entries,
-                                         (tensor_bytes(p.tensor) for p in mine),
-                                         {"format": "pt", "producer": FORMAT})
-        for p in mine:
-            d = described[kind].setdefault(p.name, {
-                "tensor": {"dtype": p.dtype, "shape": p.global_shape, "layout": p.layout},
-                "pieces": []})
-            d["pieces"].append({"file": fname, "key": p.key, "offsets": p.offsets,
-                                "shape": list(p.tensor.shape)})
-    json_name, tensor_name = state_files(rank)
-    state_ref = {"json": json_name, "tensors": None}
-    if job["state_tensors"]:
-        keys = list(job["state_tensors"])
-        ts = [job["state_tensors"][k] for k in keys]
-        from distrun_safetensors.pieces import safetensors_dtype
-
-        entries = [(k, safetensors_dtype(t.dtype), list(t.shape), t.numel() * t.element_size())
-                   for k, t in zip(keys, ts, strict=False)]
-        current.append(os.path.join(tmp, tensor_name))
-        files[tensor_name] = write_safetensors(current[-1], entries,
-                                               (tensor_bytes(t) for t in ts))
-        state_ref["tensors"] = tensor_name
-    current.append(os.path.join(tmp, json_name))
-    files[json_name] = write_json(current[-1], job["state_json"])
-    for info in files.values():
-        info["rank"] = rank
-    return {"files": files, "pieces": described, "state_files": state_ref}

@@ -4,17 +4,18 @@ callbacks (torch-free at import)."""
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any
 
-from distrun.plugin import RUN_KEY_ENV, StashKey
+# run_key: the key of the run this process belongs to, recorded in every manifest it commits
+# (its launcher's, the same on every node and through every restart of one launch; else
+# torchrun's run id; else this process's own)
+from distrun.plugin import StashKey, run_key
 from distrun_safetensors.options import CheckpointOptions
 
 __all__ = ["ckpt_dir", "run_key"]
 
 #: the run's key when no launcher named one (``python train.py``): one per process, so the
 #: fits of one script are one run
-_OWN_KEY = uuid.uuid4().hex
 
 _KEY: StashKey[Any] = StashKey("safetensors")  # the Checkpointer
 
@@ -41,8 +42,3 @@ def ckpt_dir(run: Any) -> str:
     return _opts(run).ckpt_dir or os.path.join(run.run_dir, "checkpoints")
 
 
-def run_key() -> str:
-    """The key of the run this process belongs to, recorded in every manifest it commits:
-    its launcher's (the same on every node and through every restart of one launch), else
-    torchrun's run id, else this process's own."""
-    return os.environ.get(RUN_KEY_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or _OWN_KEY

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from distrun.plugin import (
-    DEVICE_MESH,
     ParallelDims,
     StrategyInfo,
     UsageError,
     hookimpl,
+    keys,
 )
 from distrun_tp.options import TpOptions
 
@@ -57,7 +57,7 @@ def distrun_parallel_degrees(config):
 
 
 def _tp_mesh(run: Any) -> Any:
-    mesh = run.stash.get(DEVICE_MESH)
+    mesh = run.stash.get(keys.DEVICE_MESH)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
         return None
     return mesh["tp"]

@@ -14,16 +14,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from distrun.plugin import (
-    DEVICE_MESH,
-    PARALLEL_DIMS,
     BaseStrategy,
     build_mesh,
     init_single_process_group,
+    keys,
 )
 from distrun_tp.plugin import tp_layout
 
 if TYPE_CHECKING:
-    from distrun.plugin import Run
+    from distrun.plugin import Run, keys
 
 __all__ = ["TPStrategy"]
 
@@ -40,8 +39,8 @@ class TPStrategy(BaseStrategy):
         self.dims = tp_layout(self.config, self.world_size)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)
         self.dp_rank, self.dp_world_size = 0, 1
-        run.stash[DEVICE_MESH] = self.mesh
-        run.stash[PARALLEL_DIMS] = self.dims
+        run.stash[keys.DEVICE_MESH] = self.mesh
+        run.stash[keys.PARALLEL_DIMS] = self.dims
         run.log.info("tp: %s", self.dims)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:

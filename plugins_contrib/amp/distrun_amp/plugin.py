@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distrun.plugin import PARALLEL_DIMS, StashKey, UsageError, hookimpl
+from distrun.plugin import (
+    StashKey,
+    UsageError,
+    hookimpl,
+    keys,
+)
 from distrun_amp.options import AmpOptions
 
 if TYPE_CHECKING:
@@ -36,7 +41,7 @@ def distrun_setup_strategy(run):
     from distrun_amp.precision import MixedPrecision
 
     amp = run.stash[AMP] = MixedPrecision(precision, run.device)
-    dims = run.stash.get(PARALLEL_DIMS)
+    dims = run.stash.get(keys.PARALLEL_DIMS)
     if amp.scaler is not None and dims is not None and dims.pp > 1:
         raise UsageError(f"--precision {precision} scales the loss for backward "
                          "with a GradScaler, which a pipeline schedule's own backward does not "

@@ -15,7 +15,7 @@ meeting folder, and the replacements train on from the checkpoint instead of fro
 
 SIGINT or SIGTERM to the launcher is forwarded to every group: each saves (the lowest live
 replica writes a preemption checkpoint) and exits; whatever still runs after
-:data:`~distrun.plugin.STOP_GRACE` seconds is killed, and the launcher exits with
+:attr:`WorkerGroup.STOP_GRACE <distrun.plugin.WorkerGroup.STOP_GRACE>` seconds is killed, and the launcher exits with
 :data:`~distrun.plugin.EXIT_REQUEUE` (SIGTERM) or 130 (SIGINT), as the plain launcher does.
 
 The lighthouse is the single point of failure of a run: when the one this launcher started
@@ -38,10 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distrun.plugin import (
-    CONFIG_ENV,
     EXIT_REQUEUE,
     LOOPBACK,
-    STOP_GRACE,
     NodeRanks,
     NodeService,
     UsageError,
@@ -53,7 +51,6 @@ from distrun.plugin import (
     listen_socket,
     node_services,
     resolve_nproc,
-    warn_oversubscribed,
     with_values,
 )
 from distrun_ft.options import FtOptions
@@ -147,9 +144,10 @@ def _start_group(group: _Group, config: Any, command: list[str], environ: dict[s
     store = listen_socket(LOOPBACK, 0)
     ranks = NodeRanks(nproc=nproc, master_addr=LOOPBACK, master_port=store.getsockname()[1],
                       run_id=f"{run_id}-replica{group.index}", restart_count=group.attempt,
-                      max_restarts=int(FtOptions.of(config).ft_max_restarts), bind=address)
-    extra = {CONFIG_ENV: _group_config(config, group.index, group.attempt).to_json(),
-             REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups), ADDRESS_ENV: address,
+                      max_restarts=int(FtOptions.of(config).ft_max_restarts), bind=address,
+                      config=_group_config(config, group.index, group.attempt),
+                      workers_here=nproc * groups)
+    extra = {REPLICA_ENV: str(group.index), GROUPS_ENV: str(groups), ADDRESS_ENV: address,
              ATTEMPT_ENV: str(group.attempt), LIGHTHOUSE_ENV: lighthouse,
              # every group shares the node's cores; torchft's servers log every quorum at info
              "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1"),
@@ -184,7 +182,6 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         # folder here, and each group its own replica<G> in it.
         config = fresh_run_folder(with_values(
             config, run_dir=os.path.join("runs", config.name or "run")))
-    warn_oversubscribed(nproc * n)
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"
     lighthouse_proc: subprocess.Popen | None = None
     address = LOOPBACK  # one host: everything on loopback
@@ -298,7 +295,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                 for group in groups:
                     group.kill(stop.signum)
             if any(g.alive() for g in groups) and \
-                    time.monotonic() - stopping_since <= STOP_GRACE:
+                    time.monotonic() - stopping_since <= WorkerGroup.STOP_GRACE:
                 time.sleep(POLL)
                 continue
             for group in groups:  # past the grace: what still runs is killed

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from distrun.plugin import UsageError, interface_addresses, requested_degrees, resolve_nproc
+from distrun.plugin import UsageError, local_address, requested_degrees, resolve_nproc
 from distrun_ft.options import FtOptions
 
 __all__ = ["Timeouts", "check_launch", "lighthouse_here", "lighthouse_hostport", "sync_mode",
@@ -89,11 +89,8 @@ def lighthouse_here(host: str, port: int) -> str | None:
     (or another launcher of this host) serves it: it serves it when its address is one of this
     host's and nothing listens on its port yet, as torchrun's rendezvous endpoint is served by
     the host it names."""
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return None
-    if address not in set(interface_addresses().values()):
+    address = local_address(host)
+    if address is None:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -61,12 +61,11 @@ def run_child(rank: int, env: Mapping[str, str], out_fd: int, err_fd: int, repor
         if interrupted():
             raise KeyboardInterrupt
         os.environ.update(env)
-        from distrun.plugin import die_with_launcher
+        from distrun.plugin import join_launcher
 
-        die_with_launcher()  # SIGKILL when the kernel dies, as distrun's own workers
-        from distrun.plugin import host_launcher_store
-
-        host_launcher_store()  # rank 0: its store on the launcher's loopback socket
+        # SIGKILL when the kernel dies, as distrun's own workers; rank 0: its store on the
+        # launcher's loopback socket
+        join_launcher()
         _limit_threads()
         code = _run(rank, target, report_fd)
     except BaseException as exc:  # the setup failed: still say why

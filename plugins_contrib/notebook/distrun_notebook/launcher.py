@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from distrun.plugin import LOOPBACK, STORE_FD_ENV, UsageError, listen_socket
+from distrun.plugin import LOOPBACK, UsageError, listen_socket
 from distrun_notebook.child import in_launched_process
 from distrun_notebook.workers import WorkerGroup
 
@@ -62,9 +62,9 @@ def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
     _check_kernel()
     task = _is_task(fn_or_task)
     run_id = uuid.uuid4().hex[:12]
-    base: dict[str, str] = {}
+    config: Any = None  # a Task's run config (a function's ranks take none)
     if task:
-        base = _task_config(fn_or_task, options, num_processes)
+        config = _task_config(fn_or_task, options, num_processes)
         target = _train_target(fn_or_task, tuple(args), options)
     else:
         target = _call_target(fn_or_task, tuple(args))
@@ -72,8 +72,8 @@ def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
     # interface); the other ranks close their copy, the kernel its own once they ended
     store = _store_socket()
     port = store.getsockname()[1]
-    envs = [_rank_env(rank, num_processes, port, run_id, base) for rank in range(num_processes)]
-    envs[0][STORE_FD_ENV] = str(store.fileno())
+    envs = [_rank_env(rank, num_processes, port, run_id, config, store.fileno())
+            for rank in range(num_processes)]
     group = WorkerGroup(stop_grace, show_all=show_all_ranks,
                         private_fds={0: [store.fileno()]})
     try:
@@ -163,13 +163,13 @@ def _train_target(task: Any, args: tuple[Any, ...], options: dict[str, Any]) -> 
     return train
 
 
-def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> dict[str, str]:
+def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> Any:
     """Resolve the run config here, as ``distrun run`` does before it starts workers.
 
     A bad option or an unknown strategy is then one line in the cell, not an error in every
     rank; and the ranks share one fresh run folder (``runs/<notebook>``, ``-2``, ...).
     """
-    from distrun.plugin import CONFIG_ENV, fresh_run_folder, resolve_run_config, with_values
+    from distrun.plugin import fresh_run_folder, resolve_run_config, with_values
 
     config = resolve_run_config(options, num_processes)
     if not config.run_dir:
@@ -177,7 +177,7 @@ def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> dict
         config = with_values(config, source=config.sources.get("name", "launcher"), name=name)
         config = with_values(config, run_dir=os.path.join("runs", name))
     config = fresh_run_folder(config)
-    return {CONFIG_ENV: config.to_json()}
+    return config
 
 
 def _notebook_name() -> str:
@@ -188,16 +188,17 @@ def _notebook_name() -> str:
     return keep or "notebook"
 
 
-def _rank_env(rank: int, world: int, port: int, run_id: str,
-              base: dict[str, str]) -> dict[str, str]:
+def _rank_env(rank: int, world: int, port: int, run_id: str, config: Any,
+              store_fd: int) -> dict[str, str]:
     """What rank ``rank``'s fork sets in its environment: torchrun's variables (as the
     launcher's worker group gives them), gloo's sockets on loopback, the task's config."""
     from distrun.plugin import NodeRanks
 
     ranks = NodeRanks(nproc=world, master_addr=LOOPBACK, master_port=port, run_id=run_id,
-                      bind=LOOPBACK)
-    return ranks.env(rank, os.environ, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                **base})
+                      bind=LOOPBACK, config=config)
+    return ranks.env(rank, os.environ,
+                     {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                     store_fd=store_fd)
 
 
 def _store_socket() -> socket.socket:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-from distrun.plugin import COMPILE_TIME
+from distrun.plugin import keys
 from distrun_progress.options import ProgressOptions
 
 #: the launcher passes its terminal to rank 0 in this variable (workers' stdout is a pipe)
@@ -64,7 +64,7 @@ class Tracker:
         self.metrics: dict[str, float] = {}
         #: under --compile, the core's clock of compile time: compiling is left out of the
         #: rate (and so of the ETA), not of the elapsed time shown
-        self.compile_clock = run.stash.get(COMPILE_TIME)
+        self.compile_clock = run.stash.get(keys.COMPILE_TIME)
         self.compiled_before = self.compile_clock.excluded if self.compile_clock else 0.0
 
     def update(self, step: int, epoch: int) -> None:

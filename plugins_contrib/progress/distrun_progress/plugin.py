@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from distrun.plugin import CONSOLE_OWNER, StashKey, hookimpl
+from distrun.plugin import StashKey, hookimpl, keys
 from distrun_progress.display import TTY_ENV, make_display
 from distrun_progress.options import ProgressOptions
 from distrun_progress.shared_terminal import clearing_lines
@@ -52,7 +52,7 @@ def distrun_on_fit_start(run):
     if not run.is_global_zero or not ProgressOptions.of(run.config).progress:
         return
     display = run.stash[_KEY] = make_display(run)
-    run.stash[CONSOLE_OWNER] = "progress"
+    run.stash[keys.CONSOLE_OWNER] = "progress"
     run.add_hooks(Bar(display))  # rank 0 only: the other ranks' steps never pass here
 
 
@@ -82,5 +82,5 @@ def distrun_teardown(run):
         display.close()
         # The console line is ours only while the bar shows the fit: the stages after it
         # (`--stage fit,test`) print their results through it again.
-        if run.stash.get(CONSOLE_OWNER) == "progress":
-            del run.stash[CONSOLE_OWNER]
+        if run.stash.get(keys.CONSOLE_OWNER) == "progress":
+            del run.stash[keys.CONSOLE_OWNER]

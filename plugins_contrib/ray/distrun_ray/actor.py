@@ -66,11 +66,11 @@ class RankHost:
         self.store = listen_socket(bind, 0)
         return self.store.getsockname()[1]
 
-    def start(self, command: Sequence[str], ranks: Any, base: Mapping[str, str],
-              extra: Mapping[str, str], cwd: str, bind: str | None = None) -> int:
+    def start(self, command: Sequence[str], ranks: Any, base: Mapping[str, str], cwd: str,
+              bind: str | None = None) -> int:
         """Start the worker with this node's Python: ``ranks`` is the rank's
         :class:`~distrun.plugin.NodeRanks`, ``base`` the launcher's variables added to the
-        actor's own, ``extra`` distrun's (set last).
+        actor's own.
 
         ``bind``: the address the worker's servers listen on (gloo's and tensorpipe's interface
         is looked up on this node).
@@ -81,7 +81,7 @@ class RankHost:
         self.lines.clear()
         self.group = WorkerGroup(
             argv, dataclasses.replace(ranks, bind=bind), environ={**os.environ, **base},
-            extra_env=extra, store=self.store, relay=_queue_relay(self.lines),
+            store=self.store, relay=_queue_relay(self.lines),
             cwd=cwd if os.path.isdir(cwd) else None)
         self.store = None  # the group closes it once the worker holds it
         self.group.start()

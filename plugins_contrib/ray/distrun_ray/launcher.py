@@ -32,15 +32,13 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from distrun.plugin import (
-    CONFIG_ENV,
     EXIT_REQUEUE,
-    STOP_GRACE,
     NodeRanks,
     Relay,
     RunConfig,
     UsageError,
+    WorkerGroup,
     exit_code,
-    new_tail,
     report_failure,
     with_values,
 )
@@ -71,9 +69,10 @@ class _Rank:
     local_world: int = 1
     node_rank: int = 0
     code: int | None = None
-    tail: collections.deque[str] = field(default_factory=new_tail)
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     log: IO[str] | None = None
-    err_tail: collections.deque[str] = field(default_factory=new_tail)  # its stderr lines
+    err_tail: collections.deque[str] = field(  # its stderr lines
+        default_factory=lambda: collections.deque(maxlen=20))
     lost: str | None = None  # why its actor cannot be reached (a Ray error's name)
 
     @property
@@ -164,7 +163,7 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | 
             for r in live:
                 r.actor.signal.remote(stop.signum)
             forwarded = True
-        if stop.since is not None and time.monotonic() - stop.since > STOP_GRACE:
+        if stop.since is not None and time.monotonic() - stop.since > WorkerGroup.STOP_GRACE:
             _stop_ranks(ray, live, grace=0.0)
         for r in live:
             try:
@@ -266,11 +265,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                     nproc=r.local_world, nnodes=nnodes, node_rank=r.node_rank, world_size=n,
                     first_rank=r.rank - r.local_rank, local_ranks=(r.local_rank,),
                     master_addr=master_ip, master_port=port, run_id=run_id,
-                    restart_count=attempt, max_restarts=restarts)
+                    restart_count=attempt, max_restarts=restarts, config=cfg.to_json())
                 if log_dir:
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
-                starts.append(r.actor.start.remote(command, layout, base,
-                                                   {CONFIG_ENV: cfg.to_json()}, os.getcwd(), r.ip))
+                starts.append(r.actor.start.remote(command, layout, base, os.getcwd(), r.ip))
             ray.get(starts, timeout=120)
             failed = _run_group(ray, ranks, stop, config.tee)
             _release(ray, ranks, pg, remove_placement_group)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distrun.plugin import PARALLEL_DIMS, UsageError, hookimpl
+from distrun.plugin import UsageError, hookimpl, keys
 from distrun_zero.options import ZeroOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
@@ -24,7 +24,7 @@ def distrun_setup_optimizer(run):
                 f"--zero shards the one optimizer the loop steps, but {type(run.task).__name__} "
                 f"steps its optimizers itself (automatic_optimization = False{several}); drop "
                 "--zero (--strategy fsdp shards every optimizer's state)")
-        dims = run.stash.get(PARALLEL_DIMS)
+        dims = run.stash.get(keys.PARALLEL_DIMS)
         if dims is not None and dims.pp > 1:
             raise UsageError("--zero does not compose with pipeline parallel (see the "
                              "composition table in docs/strategies.md); drop it, or use "

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from distrun.plugin import EXIT_REQUEUE, STOP_GRACE
+from distrun.plugin import EXIT_REQUEUE, WorkerGroup
+
+STOP_GRACE = WorkerGroup.STOP_GRACE
 
 
 def _args(run_dir, *extra: str) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 from distrun._config.run_config import resolve_config
 from distrun._registry.collect import collect_options
 from distrun._registry.manager import make_plugin_manager
-from distrun.plugin import CONFIG_ENV, UsageError, with_values
+from distrun.plugin import UsageError, with_values
 from distrun.testing import run_cli
 from distrun.testing.sockets import HOLD_SCRIPT, listeners_of_held_run
 
@@ -49,16 +49,16 @@ def test_single_node_plan_binds_loopback_and_resumes_automatically():
     assert (plan.min_nodes, plan.max_nodes, plan.nproc_per_node) == (1, 1, 2)
     assert plan.rdzv_backend == "c10d" and plan.rdzv_endpoint == "127.0.0.1:0"
     assert plan.local_addr == "127.0.0.1"
-    assert json.loads(environ[CONFIG_ENV])["values"]["resume"] == "auto"
+    # the config every attempt's workers take (the worker group hands it to them)
+    assert json.loads(plan.config.to_json())["values"]["resume"] == "auto"
     assert config.resume == "auto"
 
 
 def test_an_explicit_resume_choice_is_kept():
     from distrun_elastic.settings import make_plan
 
-    environ: dict[str, str] = {}
-    make_plan(config_of(max_restarts=1, resume="never"), environ)
-    assert json.loads(environ[CONFIG_ENV])["values"]["resume"] == "never"
+    plan, _ = make_plan(config_of(max_restarts=1, resume="never"), {})
+    assert json.loads(plan.config.to_json())["values"]["resume"] == "never"
 
 
 def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
@@ -73,9 +73,9 @@ def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
     # to the loopback), where its servers listen too: all nodes on this machine here
     assert plan.local_addr == plan.bind_address == "127.0.0.2"
     # the nodes of one run share one key for their folder locks
-    from distrun.plugin import RUN_KEY_ENV, new_run_key
+    from distrun.plugin import new_run_key
 
-    assert environ[RUN_KEY_ENV] == new_run_key("job7", "127.0.0.2:29400")
+    assert plan.run_key == new_run_key("job7", "127.0.0.2:29400")
     assert plan.rdzv_configs == {"last_call_timeout": "5"}
     # A name the user chose wins over the rendezvous id.
     _, named = make_plan(config_of(nnodes="1:4", rdzv_endpoint="127.0.0.1:1", rdzv_id="job7",
@@ -195,7 +195,7 @@ def test_rendezvous_timings_follow_the_heartbeat_timeout_and_rdzv_conf_wins():
     """torch's keep-alive expiry fits inside the heartbeat timeout (a lost host is out of the
     rendezvous when distrun names it), its last call and store reads are short; every key the
     user gives in --rdzv-conf is kept as given."""
-    from distrun_elastic.agent import rendezvous_defaults
+    from distrun_elastic.launch import rendezvous_defaults
     from distrun_elastic.settings import make_plan
 
     plan, _ = make_plan(config_of(nnodes="1:2", rdzv_endpoint="10.0.0.1:29400", rdzv_id="j",

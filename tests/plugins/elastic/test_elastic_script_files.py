@@ -95,7 +95,7 @@ def test_log_dir_keeps_the_workers_files(tmp_path):
 
 
 def test_only_a_task_is_restarted_from_distruns_checkpoint():
-    from distrun_elastic.agent import trains_task
+    from distrun_elastic.launch import trains_task
 
     worker = [sys.executable, "-u", "-m", "distrun._worker.main"]
     assert trains_task([*worker, "pkg.mod:Task", "--lr", "1"])

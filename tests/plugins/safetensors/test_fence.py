@@ -200,7 +200,8 @@ def test_the_groups_of_one_launchers_round_share_its_generation(tmp_path, monkey
     they are the lowest live replica, after the others restarted. They join the round's
     generation, so a group that trained on alone is not fenced by its restarted peer; a start
     of another launcher (or round) draws a newer one and fences them as before."""
-    from distrun.plugin import LAUNCHER_PID_ENV, RUN_KEY_ENV
+    from distrun._launch.folder_lock import RUN_KEY_ENV
+    from distrun._launch.lifeline import LAUNCHER_PID_ENV
 
     directory = str(tmp_path / "ckpt")
     monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid()))  # a live launcher: our parent
