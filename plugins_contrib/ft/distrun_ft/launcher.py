@@ -63,7 +63,7 @@ __all__ = ["launch_ft", "ADDRESS_ENV", "BARRIER_ENV", "REPLICA_ENV", "GROUPS_ENV
 REPLICA_ENV = "DISTRUN_FT_REPLICA"
 GROUPS_ENV = "DISTRUN_FT_GROUPS"
 ATTEMPT_ENV = "DISTRUN_FT_ATTEMPT"
-#: a folder where the first groups meet before their first quorum (see distrun_ft.loop)
+#: a folder where the first groups meet before their first quorum (see distrun_ft.replicas)
 BARRIER_ENV = "DISTRUN_FT_START_BARRIER"
 #: torchft's own variable: where the Manager of a group's rank 0 finds the lighthouse
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"

@@ -17,7 +17,7 @@ from typing import Any
 
 from distrun.plugin import LOOPBACK, UsageError, listen_socket
 from distrun_notebook.child import in_launched_process
-from distrun_notebook.workers import WorkerGroup
+from distrun_notebook.workers import ForkedRanks
 
 __all__ = ["FitResult", "notebook_launcher"]
 
@@ -74,7 +74,7 @@ def notebook_launcher(fn_or_task: Any, args: tuple[Any, ...] | list[Any] = (),
     port = store.getsockname()[1]
     envs = [_rank_env(rank, num_processes, port, run_id, config, store.fileno())
             for rank in range(num_processes)]
-    group = WorkerGroup(stop_grace, show_all=show_all_ranks,
+    group = ForkedRanks(stop_grace, show_all=show_all_ranks,
                         private_fds={0: [store.fileno()]})
     try:
         return group.run([target] * num_processes, envs)

@@ -25,7 +25,7 @@ from typing import Any
 
 from distrun_notebook.child import HEADER, run_child
 
-__all__ = ["LaunchFailed", "WorkerGroup"]
+__all__ = ["LaunchFailed", "ForkedRanks"]
 
 #: lines of each rank's stderr kept for the error of a rank that ends without a traceback
 _TAIL = 20
@@ -64,8 +64,12 @@ class _Rank:
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_TAIL))
 
 
-class WorkerGroup:
-    """The forked ranks of one launch: ``run()`` returns rank 0's value or raises."""
+class ForkedRanks:
+    """The forked ranks of one launch: ``run()`` returns rank 0's value or raises.
+
+    Each rank is a fork of the kernel that runs a function, which no command line can start:
+    this is why the notebook does not start its ranks in :class:`distrun.plugin.WorkerGroup`
+    (it takes their environment from :class:`distrun.plugin.NodeRanks`)."""
 
     def __init__(self, stop_grace: float, show_all: bool = False,
                  private_fds: Mapping[int, Sequence[int]] | None = None) -> None:
