@@ -163,7 +163,8 @@ class WorkerGroup:
         env = self.env(local)
         fds = (self.store.fileno(),) if self.store is not None and rank == 0 else ()
         piped = self.relay is not None
-        proc = self._fork_warm(local, env, piped) if self.warm is not None and not fds else None
+        proc = self._fork_warm(self.warm, local, env, piped) \
+            if self.warm is not None and not fds else None
         if proc is None:
             proc = subprocess.Popen(
                 self.command, env=env, cwd=self.cwd, start_new_session=True, pass_fds=fds,
@@ -179,15 +180,14 @@ class WorkerGroup:
                               for src, dst in zip(pipes, (sys.stdout, sys.stderr))]
         return worker
 
-    def _fork_warm(self, local: int, env: Mapping[str, str], piped: bool) -> Any:
+    def _fork_warm(self, warm: WarmPool, local: int, env: Mapping[str, str], piped: bool) -> Any:
         """(the forked worker, its stdout and stderr pipes), or None: start it cold."""
-        assert self.warm is not None
         if not piped:
-            proc = self.warm.spawn(local, self.command, env, (0, 1, 2), cwd=self.cwd)
+            proc = warm.spawn(local, self.command, env, (0, 1, 2), cwd=self.cwd)
             return None if proc is None else (proc, (None, None))
         out, err = os.pipe(), os.pipe()
         try:
-            proc = self.warm.spawn(local, self.command, env, (0, out[1], err[1]), cwd=self.cwd)
+            proc = warm.spawn(local, self.command, env, (0, out[1], err[1]), cwd=self.cwd)
         finally:
             os.close(out[1])
             os.close(err[1])
