@@ -71,6 +71,11 @@ def distrun_launch(config, command, environ, cluster):
 
 
 @hookimpl
+def distrun_node_services(config):
+    _record("distrun_node_services")
+
+
+@hookimpl
 def distrun_configure(config):
     _record("distrun_configure")
 

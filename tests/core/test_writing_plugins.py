@@ -14,10 +14,17 @@ from distrun.testing import run_cli
 ROOT = Path(__file__).resolve().parents[2]
 
 FAIL_ONCE = """\
-import os, sys
+import os, sys, time
 attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
 print(f"rank {rank} attempt {attempt} world {os.environ['WORLD_SIZE']}", flush=True)
+if rank == "0":
+    open(f"printed-{attempt}", "w").close()
 if attempt == "0" and rank == "1":
+    # once rank 0 has printed: under load it may start much later, and the group stops it as
+    # soon as rank 1 fails
+    deadline = time.monotonic() + 60
+    while not os.path.exists("printed-0") and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit("rank 1 fails its first attempt")
 """
 
