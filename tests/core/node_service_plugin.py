@@ -1,6 +1,7 @@
 """A third-party plugin that offers a node service (``distrun_node_services``): it writes one
 JSON line per start and end of the node's workers into ``$NODE_SERVICE_LOG``, with the ranks,
-their pids (each checked alive at the start) and, at the end, their exit codes.
+their pids (and whether each is alive as the service hears of the start) and, at the end,
+their exit codes.
 
 Loaded with ``DISTRUN_PLUGINS=node_service_plugin`` (this folder on PYTHONPATH).
 """

@@ -36,8 +36,9 @@ def test_a_node_service_sees_the_local_launchers_ranks_start_and_end(tmp_path):
     assert result.returncode == 0, result
     started, ended = _events(tmp_path)
     assert started["event"] == "started" and started["ranks"] == [0, 1], started
-    assert started["alive"] == [True, True] and started["world"] == 2, started
-    # what the workers printed: their pids are the ones the service was given
+    assert started["world"] == 2 and len(set(started["pids"])) == 2, started
+    # (whether each pid is still alive when the service hears of it depends on how soon a
+    # short script ends: not asserted)
     assert ended == {"launcher": started["launcher"], "event": "ended", "ranks": [0, 1],
                      "codes": [0, 0]}, ended
 
