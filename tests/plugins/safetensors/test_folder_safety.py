@@ -106,7 +106,7 @@ def test_a_full_checkpoint_folder_stops_the_run_in_one_line_and_latest_stays(sma
         r"error: checkpoint step 4 was not saved: rank [01]: the disk is full: No space left on "
         rf"device \({re.escape(str(small_disk))}/\.tmp-step-4-[0-9a-f]{{8}}/[\w.-]+\); free "
         rf"space in {re.escape(str(small_disk))} or give --ckpt-dir a folder with room for the "
-        r"checkpoints \(latest still names step-2, which is intact\)", lines[0]), result
+        r"checkpoints \(latest still names step-2, which is intact\)", lines[0]), lines
     assert (small_disk / "latest").read_text() == "step-2\n"
     verified = run_cli("ckpt", "verify", str(small_disk / "latest"), env=_env())
     assert verified.returncode == 0 and verified.stdout.startswith(
