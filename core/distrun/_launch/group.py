@@ -237,10 +237,6 @@ class WorkerGroup:
         at = self.relay.failed_at if self.relay is not None else (lambda rank: 0.0)
         return min(failed, key=lambda w: (w.proc.returncode in (-9, -15), at(w.rank), w.rank))
 
-    def exit_watch(self) -> ExitWatch:
-        """A watch that sleeps until one of the running workers exits."""
-        return ExitWatch([w.proc for w in self.workers if w.proc.poll() is None])
-
     def wait(self, poll: float = 0.05) -> tuple[int, Worker | None]:
         """Wait until all exit 0, or one fails (then stop the rest); (exit code, failed one).
 
