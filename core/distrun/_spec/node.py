@@ -19,8 +19,9 @@ class NodeService(Protocol):
     """Told of each start of a node's workers, and of their end (a restart is an end and a
     start). ``group`` is the :class:`~distrun.plugin.WorkerGroup`: ``group.workers`` (each
     with ``rank``, ``local_rank`` and ``proc.pid``), ``group.ranks`` (the layout),
-    ``group.poll()`` (exit codes). Both are called in the launcher's main thread: return
-    promptly (start a thread for long work)."""
+    ``group.poll()`` (exit codes). Both are called in the launcher process, on the thread that
+    starts or stops the workers (the elastic agent stops a cut-off node's from its heartbeat
+    thread): return promptly (start a thread for long work)."""
 
     def started(self, group: Any) -> None: ...
 

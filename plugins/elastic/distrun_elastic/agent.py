@@ -301,9 +301,7 @@ class DistrunAgent(LocalElasticAgent):
     def _kill_workers(self) -> None:
         """SIGKILL this node's workers: they cannot finish a step without their peers."""
         if self.group is not None:
-            self.group.signal_all(signal.SIGKILL)
-            for w in self.group.workers:
-                w.proc.wait()
+            self.group.stop(grace=0.0, signum=signal.SIGKILL)
 
     def _stop_siblings_of_failure(self, worker_group: Any) -> None:
         group = self.group

@@ -95,13 +95,14 @@ class _Group:
                 return rank, int(p.returncode)
         return None
 
-    def kill(self, signum: int = signal.SIGKILL) -> None:
+    def kill(self, signum: int) -> None:
         if self.workers is not None:
             self.workers.signal_all(signum)
 
-    def reap(self) -> None:
-        for p in self.procs:
-            p.wait()
+    def end(self) -> None:
+        """SIGKILL what still runs of the group, reap it, tell the node's services."""
+        if self.workers is not None:
+            self.workers.stop(grace=0.0, signum=signal.SIGKILL)
 
 
 def _start_lighthouse(config: Any, bind: str = f"{LOOPBACK}:0") -> tuple[subprocess.Popen, str]:
@@ -217,9 +218,7 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         for group in groups:
-            group.kill()
-        for group in groups:
-            group.reap()
+            group.end()
         if lighthouse_proc is not None:
             if lighthouse_proc.poll() is None:
                 lighthouse_proc.terminate()
@@ -248,8 +247,7 @@ def _stop_unjoined(groups: list[_Group], folder: str) -> None:
             continue
         if not os.path.exists(os.path.join(folder, mark_name("joined", group.index,
                                                              group.attempt))):
-            group.kill()
-            group.reap()
+            group.end()
             group.done = True
             _say(f"replica group {group.index} was still waiting to rejoin when the others "
                  "finished the run: stopped")
@@ -299,8 +297,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                 time.sleep(POLL)
                 continue
             for group in groups:  # past the grace: what still runs is killed
-                group.kill()
-                group.reap()
+                group.end()
             # a run that ended meanwhile stays 0, a usage error said by a worker stays 2
             codes = {exit_code(p.returncode) for g in groups for p in g.procs}
             if codes <= {0}:
@@ -321,8 +318,7 @@ def _supervise(config: Any, groups: list[_Group], command: list[str], environ: d
                     group.done = True
                 continue
             rank, code = failed
-            group.kill()  # the rest of the group at once: its heartbeat stops with it
-            group.reap()
+            group.end()  # the rest of the group at once: its heartbeat stops with it
             group.code = exit_code(code)
             if group.code == 2:  # a usage error, said by the worker in one line: no restart
                 return 2
