@@ -35,7 +35,6 @@ __all__ = ["TAIL_LINES", "RankLines", "RankOutput", "Relay", "new_tail", "report
 
 #: lines of a rank kept for its failure report
 TAIL_LINES = 20
-_POLL = 0.05
 
 
 def new_tail() -> collections.deque[str]:
@@ -81,7 +80,7 @@ def _plain(line: str) -> str:
 class Relay:
     """Print the output of many ranks without mixing their lines; thread-safe.
 
-    Each (rank, stream) is fed by one thread at a time (:meth:`pipe`, :meth:`follow`, or a
+    Each (rank, stream) is fed by one thread at a time (:meth:`pipe`, or a
     launcher's own reader calling :meth:`emit`).
     """
 
@@ -163,12 +162,6 @@ class Relay:
             block = self._last_traceback.get(rank)
             return sorted(r for r, b in self._last_traceback.items() if b == block and r != rank) \
                 if block is not None else []
-
-    def new_attempt(self) -> None:
-        """Forget the tracebacks printed so far (a restarted group prints its own again)."""
-        with self.lock:
-            self._tracebacks.clear()
-            self._last_traceback.clear()
 
     def _log(self, rank: RankLines, text: str) -> None:
         """Append ``text`` to the rank's log file; one that fails (a full disk) is given up,
@@ -291,38 +284,6 @@ class Relay:
                 self.emit(rank, text, dst)
         except Exception:  # noqa: BLE001 - the output is lost; the worker must not block
             pass
-
-    def follow(self, rank: RankLines, path: str, dst: IO[str],
-               finished: threading.Event) -> threading.Thread:
-        """Relay what a worker writes into the file ``path`` (it may not exist yet).
-
-        Runs in a daemon thread until ``finished`` is set; then whatever is left in the file
-        is relayed and the thread ends.
-        """
-        thread = threading.Thread(target=self._follow, args=(rank, path, dst, finished),
-                                  daemon=True)
-        thread.start()
-        return thread
-
-    def _follow(self, rank: RankLines, path: str, dst: IO[str],
-                finished: threading.Event) -> None:
-        while not os.path.exists(path):
-            if finished.is_set():
-                return
-            time.sleep(_POLL)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        with open(path, "rb") as fh:
-            while True:
-                over = finished.is_set()  # read once more after it is set: the file's end
-                chunk = fh.read(_CHUNK)
-                if chunk:
-                    self._guarded(rank, decoder.decode(chunk), dst)
-                    continue
-                if over:
-                    self._guarded(rank, decoder.decode(b"", final=True), dst)
-                    self._guarded(rank, None, dst)
-                    return
-                time.sleep(_POLL)
 
 
 def _line_ends(buf: str) -> list[int]:
