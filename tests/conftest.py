@@ -88,6 +88,25 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., CliResult]]:
     yield invoke
 
 
+#: folders whose conftest builds a session fixture (a Ray cluster, the elastic tests'
+#: reference run, the shm extension) or checks /dev/shm after each test (a segment another
+#: worker's shm run has not yet removed would be blamed on it): under pytest-xdist each runs on
+#: one worker
+_ONE_WORKER_FOLDERS = ("tests/contrib/ray", "tests/contrib/shm", "tests/plugins/elastic")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n``, with ``--dist loadgroup``): the tests of one file run on one
+    worker (module fixtures are built once), those of a folder in :data:`_ONE_WORKER_FOLDERS`
+    too."""
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        group = next((f for f in _ONE_WORKER_FOLDERS if path.startswith(f + "/")), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--backends", default="gloo",
                      help="CPU backends for the tests that take cpu_backend: names (gloo,shm; "
@@ -144,17 +163,26 @@ def no_testbed_left() -> Iterator[None]:
     assert not left, f"testbed leftovers (ip netns list; /etc/netns): {left}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left() -> Iterator[None]:
-    """After the suite, /dev/shm holds no segment of distrun-shm whose process has ended
-    (a live one belongs to a run still going, e.g. another session's tests)."""
-    yield
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After the suite, /dev/shm holds no segment of distrun-shm whose process has ended (a
+    live one belongs to a run still going, e.g. another session's tests). Under pytest-xdist
+    the controller checks, once every worker is done: a worker that finished early would
+    blame a segment another worker's test has yet to remove."""
+    if hasattr(session.config, "workerinput"):
+        return
     try:
         from distrun_shm.backend import leftover_segments
     except ImportError:
         return
     left = leftover_segments()
-    assert not left, f"segments of ended processes left in /dev/shm: {left}"
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = f"segments of ended processes left in /dev/shm: {left}"
+        if reporter is not None:
+            reporter.write_line(f"ERROR: {line}", red=True)
+        else:
+            print(f"ERROR: {line}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 

@@ -3,13 +3,15 @@
 Written to ``$DUMP_DIR/attempt<A>-rank<R>.json``: the environment, the working directory, the
 command line, the descriptors and the standard streams, the session and process group, the
 signal dispositions and mask, the parent (a launcher or a warm spare). Rank 1 of the first
-attempt exits with code 3 after writing; every other start exits 0.
+attempt exits with code 3 after writing, once rank 0 has written too (its exit stops rank 0:
+under load rank 0 may not have got that far yet); every other start exits 0.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 
 
 def _handler(signum):
@@ -54,8 +56,16 @@ dump = {
     "threads": len(os.listdir("/proc/self/task")),
 }
 attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
-with open(os.path.join(os.environ["DUMP_DIR"], f"attempt{attempt}-rank{rank}.json"), "w") as fh:
+folder = os.environ["DUMP_DIR"]
+path = os.path.join(folder, f"attempt{attempt}-rank{rank}.json")
+with open(path + ".tmp", "w") as fh:  # whole or absent: the test reads every *.json
     json.dump(dump, fh)
+os.rename(path + ".tmp", path)
 print(f"rank {rank} attempt {attempt} says hello", flush=True)
 if attempt == "0" and rank == "1":
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(folder, "attempt0-rank0.json")):
+        if time.monotonic() > deadline:
+            sys.exit("rank 0 wrote nothing in 120 s")
+        time.sleep(0.02)
     sys.exit(3)
