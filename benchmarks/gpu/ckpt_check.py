@@ -23,7 +23,7 @@ def check_ckpt(res: Result, dry: bool) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from distrun.plugin import init_single_process_group
+    from distrun.plugin import join_process_group
     from distrun_safetensors.load import load
     from distrun_safetensors.save import Checkpointer
 
@@ -33,7 +33,7 @@ def check_ckpt(res: Result, dry: bool) -> None:
     # 16 x 4096 x 4096 float32: ~1.07 GB (GPU_LANE_CKPT_LAYERS=32: ~2.1 GB)
     layers, dim, rounds = (4, 256, 2) if dry else (
         int(os.environ.get("GPU_LANE_CKPT_LAYERS", "16")), 4096, 2)
-    owns = init_single_process_group("gloo")  # DCP and the checkpointer see one rank
+    owns = join_process_group(backend="gloo")  # DCP and the checkpointer see one rank
     model = cb.make_model(layers, dim).to(dev)
     sd = model.state_dict()
     tensors = list(sd.values())

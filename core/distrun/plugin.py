@@ -10,6 +10,14 @@ the page and :data:`__all__` equal):
 3. the launcher kit: what a launcher needs to start the ranks of a node (the worker group
    every distrun launcher runs its ranks in) and to tell its processes apart.
 
+The list is designed, not accumulated: at most 45 names, each used by two plugins of this
+repository or kept for third-party plugins with a test of its own (``THIRD_PARTY`` in
+``tests/core/test_plugin_api.py``). What a single plugin needs is a method or an option of a
+name already here (``config.to_toml()``, ``config.with_values()``, ``WorkerGroup.spares()``,
+``WorkerGroup(relay=sink)``, ``Relay.report()``, ``run_key(shared=...)``), so a SLURM-array or
+Kubernetes launcher reads one short list, as pytest's plugins use ``pytest`` and never
+``_pytest``.
+
 Every other module of the core is private and may move between releases. A plugin states
 the API it was written for with ``DISTRUN_PLUGIN_API = 1`` in its entry-point module; a
 plugin written for another :data:`API_VERSION` is refused with one line when it loads.
@@ -26,29 +34,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from distrun._config.parallel_dims import ParallelDims
-from distrun._config.run_config import RunConfig, with_values
+from distrun._config.run_config import RunConfig
 from distrun._config.run_dir import fresh_run_folder
 from distrun._launch.binding import LOOPBACK, bind_address, listen_socket, local_address
 from distrun._launch.exits import exit_code
-from distrun._launch.folder_lock import new_run_key, run_key
-from distrun._launch.group import WorkerGroup, node_services
-from distrun._launch.lifeline import (
-    die_with_parent,
-    launcher_alive,
-    launcher_pid,
-    pid_alive,
-    pid_start_time,
-)
+from distrun._launch.folder_lock import run_key
+from distrun._launch.group import WorkerGroup
+from distrun._launch.lifeline import ProcessId, die_with_parent
 from distrun._launch.local import resolve_nproc
-from distrun._launch.outputs import WorkerOutputs
 from distrun._launch.ports import free_port
 from distrun._launch.ranks import NodeRanks
 from distrun._launch.reaper import reaped
-from distrun._launch.relay import Relay, report_failure
-from distrun._launch.run_folder import render_config
-from distrun._launch.warm import WarmPool
+from distrun._launch.relay import Relay
 from distrun._loggers.plot import plot_run
-from distrun._registry.collect import requested_degrees, resolve_run_config
+from distrun._registry.collect import resolve_run_config
 from distrun._spec import keys
 from distrun._spec.backends import BackendInfo
 from distrun._spec.cluster import ClusterEnv
@@ -62,7 +61,7 @@ from distrun._spec.strategy import SetupView, Strategy, StrategyInfo
 if TYPE_CHECKING:
     from distrun._strategies.base import BaseStrategy
     from distrun._strategies.mesh import build_mesh
-    from distrun._strategies.process_group import init_single_process_group, prepare_backend
+    from distrun._strategies.process_group import join_process_group
     from distrun._train.rng import seed_everything
     from distrun._train.run import Run
     from distrun._train.sampler import epoch_permutation
@@ -72,31 +71,28 @@ if TYPE_CHECKING:
 __all__ = [
     # 1. hooks, options and the run
     "API_VERSION", "hookimpl", "hookspec",
-    "PluginOptions", "option", "RunConfig", "with_values",
+    "PluginOptions", "option", "RunConfig",
     "Run", "StashKey", "keys",
     "DistrunError", "UsageError", "first_line", "EXIT_REQUEUE",
-    "plot_run", "render_config",
+    "plot_run",
     # 2. the strategy kit
     "Strategy", "BaseStrategy", "StrategyInfo", "SetupView", "BackendInfo",
-    "ParallelDims", "requested_degrees", "build_mesh", "init_single_process_group",
-    "prepare_backend", "seed_everything", "to_cpu", "epoch_permutation",
+    "ParallelDims", "build_mesh", "join_process_group",
+    "seed_everything", "to_cpu", "epoch_permutation",
     # 3. the launcher kit: the worker group ...
-    "WorkerGroup", "NodeRanks", "NodeService", "node_services", "WorkerOutputs",
-    "WarmPool", "Relay", "report_failure", "exit_code", "ClusterEnv",
+    "WorkerGroup", "NodeRanks", "NodeService", "Relay", "exit_code", "ClusterEnv",
     "resolve_nproc", "resolve_run_config", "fresh_run_folder",
     # ... where the run listens ...
     "LOOPBACK", "bind_address", "local_address", "listen_socket", "free_port", "serve_store",
     # ... and which processes are whose
-    "new_run_key", "run_key", "launcher_pid", "launcher_alive", "join_launcher",
-    "die_with_parent", "reaped", "pid_alive", "pid_start_time",
+    "run_key", "ProcessId", "join_launcher", "die_with_parent", "reaped",
 ]
 
 #: names whose modules import torch, loaded on first use
 _LAZY = {
     "BaseStrategy": "distrun._strategies.base",
     "build_mesh": "distrun._strategies.mesh",
-    "init_single_process_group": "distrun._strategies.process_group",
-    "prepare_backend": "distrun._strategies.process_group",
+    "join_process_group": "distrun._strategies.process_group",
     "seed_everything": "distrun._train.rng",
     "Run": "distrun._train.run",
     "to_cpu": "distrun._train.tensors",

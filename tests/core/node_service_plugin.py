@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from distrun.plugin import hookimpl, pid_alive
+from distrun.plugin import ProcessId, hookimpl
 
 
 class Recorder:
@@ -26,7 +26,7 @@ class Recorder:
     def started(self, group: Any) -> None:
         self._write(event="started", ranks=[w.rank for w in group.workers],
                     pids=[w.proc.pid for w in group.workers],
-                    alive=[pid_alive(w.proc.pid) for w in group.workers],
+                    alive=[ProcessId(w.proc.pid).alive() for w in group.workers],
                     world=group.ranks.world)
 
     def ended(self, group: Any) -> None:

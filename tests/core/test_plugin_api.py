@@ -157,3 +157,63 @@ def test_a_plugin_for_another_api_is_refused_in_one_line(tmp_path):
            f"{distrun.__version__} provides plugin API {distrun.plugin.API_VERSION}" in lines[0]
     assert "-p no:future_plugin" in lines[0], result
     assert "Traceback" not in result.output, result
+
+
+#: names of the API that fewer than two plugins of this repository use, kept for third-party
+#: plugins (a SLURM-array or Kubernetes launcher, a strategy or backend of its own): each
+#: with the test of its own that shows the use it is kept for (``path::function``)
+THIRD_PARTY = {
+    "API_VERSION": "tests/core/test_plugin_api.py::test_a_plugin_for_another_api_is_refused_in_one_line",
+    "hookspec": "tests/core/test_plugin_kit.py::test_a_plugin_adds_hooks_of_its_own_with_hookspec",
+    "Strategy": "tests/core/test_plugin_kit.py::test_a_strategy_of_its_own_satisfies_the_protocol",
+    "SetupView": "tests/core/test_plugin_kit.py::test_the_run_offers_a_strategy_its_setup_view",
+    "BackendInfo": "tests/core/test_backends.py::"
+                   "test_a_plain_script_gets_the_plugin_backend_without_naming_it",
+    "seed_everything": "tests/core/test_plugin_kit.py::test_seed_everything_repeats_every_rngs_draws",
+    "epoch_permutation": "tests/core/test_data.py::test_order_depends_on_seed_and_epoch_only",
+    "NodeService": "tests/core/test_worker_group.py::"
+                   "test_a_node_service_sees_the_local_launchers_ranks_start_and_end",
+    "Relay": "tests/core/test_plugin_kit.py::test_a_relay_prints_remote_ranks_and_names_the_failed_one",
+    "ClusterEnv": "tests/core/test_plugin_kit.py::test_a_detected_cluster_runs_its_rank_in_place",
+    "resolve_run_config": "tests/core/test_plugin_kit.py::"
+                          "test_resolve_run_config_resolves_as_distrun_run_does",
+    "join_launcher": "tests/core/test_plugin_kit.py::test_a_rank_that_joined_its_launcher_dies_with_it",
+    "die_with_parent": "tests/core/test_reaper.py::"
+                       "test_die_with_parent_ends_the_child_but_not_what_it_left",
+    "reaped": "tests/core/test_reaper.py::"
+              "test_a_reaped_tree_ends_with_its_parent_orphans_and_daemons_included",
+}
+
+
+def _plugin_users() -> dict[str, set[str]]:
+    """Each name imported from ``distrun.plugin`` -> the plugin packages that import it."""
+    users: dict[str, set[str]] = {}
+    for path in [*ROOT.glob("plugins/*/distrun_*/**/*.py"),
+                 *ROOT.glob("plugins_contrib/*/distrun_*/**/*.py")]:
+        package = path.relative_to(ROOT).parts[2]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "distrun.plugin":
+                for alias in node.names:
+                    users.setdefault(alias.name, set()).add(package)
+    return users
+
+
+def _test_exists(where: str) -> bool:
+    path, _, function = where.partition("::")
+    file = ROOT / path
+    return file.exists() and any(
+        isinstance(node, ast.FunctionDef) and node.name == function
+        for node in ast.parse(file.read_text()).body)
+
+
+def test_every_name_of_the_api_is_used_by_two_plugins_or_kept_for_third_parties():
+    assert len(distrun.plugin.__all__) <= 45, "the plugin API is designed, not accumulated"
+    users = _plugin_users()
+    lonely = {name: sorted(users.get(name, ())) for name in distrun.plugin.__all__
+              if len(users.get(name, ())) < 2 and name not in THIRD_PARTY}
+    assert not lonely, f"used by fewer than two plugins and not kept for third parties: {lonely}"
+    assert set(THIRD_PARTY) <= set(distrun.plugin.__all__), "THIRD_PARTY names a removed name"
+    shared = sorted(n for n in THIRD_PARTY if len(users.get(n, ())) >= 2)
+    assert not shared, f"used by two plugins now: drop them from THIRD_PARTY: {shared}"
+    missing = {name: where for name, where in THIRD_PARTY.items() if not _test_exists(where)}
+    assert not missing, f"a name kept for third parties without its test: {missing}"

@@ -1,4 +1,4 @@
-"""The warm pool (distrun.plugin.WarmPool): workers forked from a spare that imported torch."""
+"""The warm pool (distrun.plugin.WorkerGroup.spares): workers forked from a spare that imported torch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from distrun._launch.warm import warm_command
-from distrun.plugin import WarmPool, pid_alive
+from distrun._launch.lifeline import pid_alive
+from distrun._launch.warm import WarmPool, warm_command
 
 WORKER = [sys.executable, "-u", "-m", "distrun._worker.main"]
 

@@ -28,6 +28,7 @@ from distrun._config.option_values import (
     _std,
 )
 from distrun._spec.errors import UsageError, suggest
+from distrun._spec.node import NodeService
 from distrun._spec.options import Option, PluginOptions, coerce
 
 _T = TypeVar("_T", bound=PluginOptions)
@@ -177,6 +178,34 @@ class RunConfig:
             return getattr(self, name)
         return self.plugin_options.get(name, default)
 
+    def with_values(self, source: str = "launcher", **values: Any) -> RunConfig:
+        """A copy of this config with some fields (core or plugin options) set, recorded as
+        coming from ``source``."""
+        return with_values(self, source, **values)
+
+    def node_services(self) -> list[NodeService]:
+        """The services this config's plugins offer to run beside a node's ranks
+        (``distrun_node_services``), for a launcher to give every worker group it starts;
+        empty for a config built without plugins."""
+        if self.pluginmanager is None:
+            return []
+        return [s for s in self.pluginmanager.hook.distrun_node_services(config=self)
+                if s is not None]
+
+    def parallel_degrees(self) -> dict[str, int]:
+        """The parallel degrees this config's plugins ask for (``distrun_parallel_degrees``):
+        ``{"tp": 2}``; empty for a config built without plugins."""
+        if self.pluginmanager is None:
+            return {}
+        out: dict[str, int] = {}
+        for answer in self.pluginmanager.hook.distrun_parallel_degrees(config=self):
+            for name, degree in (answer or {}).items():
+                if name in out:
+                    raise UsageError(f"parallel degree {name!r} is published by two plugins "
+                                     "(uninstall or block one of them)")
+                out[name] = int(degree)
+        return out
+
     @property
     def world_size_requested(self) -> int | None:
         """nproc_per_node x nnodes when both are fixed numbers, else None."""
@@ -197,6 +226,24 @@ class RunConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _CORE_NAMES}
         out.update(self.plugin_options)
         return out
+
+    def to_toml(self, options: list[Option] | None = None, header: str = "") -> str:
+        """This config as TOML, each value with its source and defaults commented out, as the
+        run folder's ``config.toml`` records it (for loggers that record the config).
+
+        ``options``: the declarations to render it with (grouped by plugin, with help); by
+        default the core's and the plugin options' names, no hook called again.
+        """
+        from distrun._config.toml_file import render_config
+
+        if options is None:
+            # a worker has the plugin options' values, not their declarations, and must not
+            # re-run ``distrun_register_options``: they are listed under "plugins"
+            core = core_options()
+            names = {o.name for o in core}
+            options = core + [Option(name=n, plugin="plugins") for n in self.plugin_options
+                              if n not in names]
+        return render_config(self, options, header, os.environ.get(CONFIG_ENV))
 
 
 _CORE_NAMES = frozenset(f.name for f in fields(RunConfig) if "help" in f.metadata)

@@ -13,7 +13,7 @@ from typing import Any
 
 from distrun._spec.options import Option
 
-__all__ = ["render_toml", "template_toml", "toml_value"]
+__all__ = ["render_config", "render_toml", "template_toml", "toml_value"]
 
 
 def toml_value(value: Any) -> str | None:
@@ -83,3 +83,23 @@ def render_toml(options: Iterable[Option], values: Mapping[str, Any],
                 lines.append(f"{opt.name} = {literal}  # {source}")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+
+def render_config(config: Any, options: list[Option], header: str = "",
+                  launcher_record: str | None = None) -> str:
+    """``config`` (a run config) as TOML with each value's source (:func:`render_toml`).
+
+    ``launcher_record``: the launcher's JSON record of the config, in a worker; its sources
+    beat the worker's "launcher" label.
+    """
+    sources = dict(config.sources)
+    if launcher_record:
+        try:
+            launcher = json.loads(launcher_record).get("sources", {})
+        except ValueError:
+            launcher = {}
+        for name, source in launcher.items():
+            if sources.get(name) in (None, "launcher"):
+                sources[name] = source
+    return render_toml(options, config.as_dict(), sources, header=header)

@@ -33,7 +33,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +80,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_own_key)
 
 
-def run_key(environ: Mapping[str, str] | None = None) -> str:
+def run_key(environ: Mapping[str, str] | None = None, *, shared: Sequence[object] = ()) -> str:
     """This process's run key: its launcher's, else torchrun's run id, else its own (one per
-    process, so its trainers one after another are one run)."""
+    process, so its trainers one after another are one run).
+
+    ``shared``: what every node of one run is given alike (its name and where its nodes meet),
+    for a launcher of several nodes: the key every node of that run derives from it, the one
+    it gives its workers.
+    """
     global _own_key
+    if shared:
+        return new_run_key(*shared)
     environ = os.environ if environ is None else environ
     key = environ.get(RUN_KEY_ENV) or environ.get("TORCHELASTIC_RUN_ID")
     if key:

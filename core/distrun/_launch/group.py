@@ -37,13 +37,13 @@ from typing import IO, Any, cast
 
 from distrun._config.run_config import RunConfig
 from distrun._launch.exits import ExitWatch, exit_code
-from distrun._launch.outputs import WorkerOutputs
+from distrun._launch.outputs import WorkerOutputs, worker_outputs
 from distrun._launch.ranks import NodeRanks
-from distrun._launch.relay import Relay, new_tail, report_failure
+from distrun._launch.relay import LineSink, Relay, SinkRelay, new_tail
 from distrun._launch.warm import WarmPool
 from distrun._spec.node import NodeService
 
-__all__ = ["STOP_GRACE", "Worker", "WorkerGroup", "node_services", "wait_with_signals"]
+__all__ = ["STOP_GRACE", "Worker", "WorkerGroup", "wait_with_signals"]
 
 #: seconds a worker has, after SIGTERM, to save and exit before SIGKILL
 STOP_GRACE = 30.0
@@ -72,14 +72,6 @@ def warn_oversubscribed(nproc: int) -> None:
         )
 
 
-def node_services(config: RunConfig) -> list[NodeService]:
-    """The services plugins offer to run beside this node's ranks (``distrun_node_services``)."""
-    pm = getattr(config, "pluginmanager", None)
-    if pm is None:
-        return []
-    return [s for s in pm.hook.distrun_node_services(config=config) if s is not None]
-
-
 @dataclass
 class Worker:
     """One rank's process and what the launcher keeps of it."""
@@ -98,12 +90,20 @@ class WorkerGroup:
 
     :attr:`STOP_GRACE` is the seconds a stopping worker gets to save and exit before SIGKILL.
 
-    ``relay``: a :class:`Relay` (one is made when None) or False to leave the workers on the
-    launcher's own streams. ``services``: what runs beside the ranks, told of each start and
-    end (a launcher asks the run's plugins once, :func:`node_services`, and gives the same
+    ``config``: the run's config, whose output flags then apply (``--tee``, ``--log-dir`` or
+    the run folder's ``logs``, ``--redirects``, ``--local-ranks-filter``, torch's error files
+    beside the logs). ``log_dir``: each rank's output is also appended to ``rank<N>.log``
+    there (torchrun's ``--log-dir``); ``error_dir``: where torch's ``@record`` error files go
+    (``rank<N>.error.json``, :meth:`error_file`); None: none. ``relay``: where the workers'
+    output goes: None, to the launcher's console line by line (``tee``: prefixed
+    ``[rankN]:``); a function ``sink(stream, text)`` (``"out"`` or ``"err"``, each piece as it
+    comes) to forward it elsewhere; False, the workers write to the launcher's own streams.
+    ``services``: what runs beside the ranks, told of each start and end (a launcher asks the
+    run's plugins once, ``config.node_services()``, and gives the same
     services every group it starts). ``store``: rank 0's rendezvous socket, handed to global rank 0
     when it is one of this group's (closed here once it is). ``warm``: spares to fork the
-    workers from (a rank whose spare cannot starts cold). ``cwd``: the workers' directory.
+    workers from (:meth:`spares`; a rank whose spare cannot starts cold). ``cwd``: the
+    workers' directory.
     """
 
     STOP_GRACE = STOP_GRACE
@@ -111,8 +111,10 @@ class WorkerGroup:
     def __init__(self, command: Sequence[str], ranks: NodeRanks, *,
                  environ: Mapping[str, str] | None = None,
                  extra_env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None = None,
-                 store: socket.socket | None = None, outputs: WorkerOutputs | None = None,
-                 tee: bool = False, relay: Relay | bool | None = None,
+                 store: socket.socket | None = None, config: RunConfig | None = None,
+                 log_dir: str | None = None,
+                 error_dir: str | None = None, outputs: WorkerOutputs | None = None,
+                 tee: bool = False, relay: Relay | LineSink | bool | None = None,
                  warm: WarmPool | None = None, services: Sequence[NodeService] = (),
                  cwd: str | None = None) -> None:
         self.command = list(command)
@@ -120,9 +122,20 @@ class WorkerGroup:
         self.environ = dict(os.environ if environ is None else environ)
         self.extra_env = extra_env
         self.store = store
-        self.outputs = outputs or WorkerOutputs()
-        self.relay: Relay | None = None if relay is False else (
-            relay if isinstance(relay, Relay) else Relay(tee=tee, show=self.outputs.show))
+        if outputs is None and config is not None:
+            outputs = worker_outputs(config, ranks.base_rank)
+        # (``outputs``: the core's launchers pass torchrun's output flags whole)
+        self.outputs = outputs or WorkerOutputs(log_dir=log_dir, error_dir=error_dir)
+        tee = tee or (config is not None and config.tee)
+        self.relay: Relay | None
+        if relay is False:
+            self.relay = None
+        elif isinstance(relay, Relay):
+            self.relay = relay
+        elif callable(relay):
+            self.relay = SinkRelay(relay)
+        else:
+            self.relay = Relay(tee=tee, show=self.outputs.show)
         self.warm = warm
         self.services = list(services)
         self.cwd = cwd
@@ -130,6 +143,23 @@ class WorkerGroup:
         #: when a forwarded stop (SIGINT, SIGTERM) began; its grace is counted from here
         self.stopping_since: float | None = None
         self._told_end = False  # the services heard of this start's end
+
+    @staticmethod
+    def spares(command: Sequence[str], nproc: int, *, environ: Mapping[str, str] | None = None,
+               debug: bool = False) -> WarmPool | None:
+        """Warm spares for ``command``'s workers (``warm=``), None where it cannot have any.
+
+        One spare per local rank (``nproc``), an interpreter that has imported torch and forks
+        each worker of that local rank: a start, or a restart, skips the import. Only
+        distrun's own worker (``PYTHON -m distrun._worker.main ...``) can be forked so. Start
+        them from the launcher's main thread (they die with the thread that started them).
+        The pool's ``renew()`` replaces a spare that died (in the background), ``pids()``
+        names them, ``close()`` ends them.
+        """
+        if not WarmPool.serves(command):
+            return None
+        return WarmPool(command, nproc, env=os.environ if environ is None else environ,
+                        debug=debug)
 
     # -- start ------------------------------------------------------------------------------
     def env(self, local_rank: int) -> dict[str, str]:
@@ -196,6 +226,10 @@ class WorkerGroup:
             os.close(err[0])
             return None
         return proc, (open(out[0], "rb", buffering=0), open(err[0], "rb", buffering=0))
+
+    def error_file(self, rank: int) -> str | None:
+        """The file torch's ``@record`` writes rank ``rank``'s error to (None: none)."""
+        return self.outputs.error_file(rank)
 
     def _open_log(self, rank: int) -> IO[str] | None:
         if not self.outputs.log_dir:
@@ -301,8 +335,8 @@ class WorkerGroup:
     def report(self, code: int, failed: Worker, where: str = "") -> None:
         """One line naming the failed rank, its exit code and its last line (see
         :func:`~distrun._launch.relay.report_failure`)."""
-        same = self.relay.same_failure(failed.rank) if self.relay is not None else []
-        report_failure(failed, code, where=where, same=same)
+        relay = self.relay if self.relay is not None else Relay()
+        relay.report(failed, code, where=where, same=relay.same_failure(failed.rank))
 
     def close(self) -> None:
         """Kill what still runs, reap it, and remove the group's temporary files."""

@@ -1,5 +1,8 @@
 """A worker's tie to its launcher: it dies with it, and can tell whether it is still there.
 
+:class:`ProcessId` names one process (its pid and start time) for as long as the machine runs,
+and says whether it still runs: this process's launcher, a lock's holder, a segment's creator.
+
 The same tie for any child process: :func:`die_with_parent` (tests tie what they start to
 pytest with it), and :mod:`distrun._launch.reaper` for a child whose own children would not
 follow it.
@@ -17,9 +20,10 @@ import ctypes
 import os
 import signal
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with", "die_with_launcher", "die_with_parent", "launcher_pid",
-           "launcher_alive", "pid_alive", "pid_start_time"]
+__all__ = ["LAUNCHER_PID_ENV", "ProcessId", "die_with", "die_with_launcher", "die_with_parent",
+           "launcher_pid", "launcher_alive", "pid_alive", "pid_start_time"]
 
 LAUNCHER_PID_ENV = "DISTRUN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -61,6 +65,60 @@ def launcher_alive() -> bool:
     """False once the launcher that started this process is gone (True when there is none)."""
     pid = launcher_pid()
     return pid is None or os.getppid() == pid
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process for as long as the machine runs: its pid and its start time.
+
+    A pid is reused once its process has ended; with its start time it names one process.
+    ``start`` is the clock ticks after boot at which it started, ``""`` when not known (the pid
+    alone then decides), None when the process was already gone when it was named. Its text,
+    ``"<pid>.<start>"`` (``0`` for a start not known), is read back by :meth:`parse`.
+    """
+
+    pid: int
+    start: str | None = ""
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId:
+        """Process ``pid`` as it is now (``start`` None when there is none)."""
+        return cls(pid, pid_start_time(pid))
+
+    @classmethod
+    def launcher(cls, environ: Mapping[str, str] | None = None) -> ProcessId | None:
+        """The launcher that started this process (or the process whose environment
+        ``environ`` is); None when no distrun launcher did.
+
+        This process's launcher is its parent: once this process has another (it was handed
+        on when its launcher ended), the launcher is gone (``start`` None), even when its pid
+        now names another process.
+        """
+        pid = launcher_pid(environ)
+        if pid is None:
+            return None
+        if environ is None and os.getppid() != pid:
+            return cls(pid, None)
+        return cls.of(pid)
+
+    @classmethod
+    def parse(cls, text: str) -> ProcessId | None:
+        """The process ``text`` (``"<pid>.<start>"`` or ``"<pid>"``) names; None when it is
+        not such a text."""
+        pid, _, start = text.partition(".")
+        if not pid.isdigit() or not (start == "" or start.isdigit()):
+            return None
+        return cls(int(pid), "" if start in ("", "0") else start)
+
+    def alive(self) -> bool:
+        """Whether this process still runs: a zombie, or another process given its pid since,
+        is gone."""
+        if self.start is None or not pid_alive(self.pid):
+            return False
+        return self.start == "" or pid_start_time(self.pid) == self.start
+
+    def __str__(self) -> str:
+        return f"{self.pid}.{self.start or 0}"
 
 
 def _prctl() -> Callable[..., int] | None:

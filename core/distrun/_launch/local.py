@@ -16,7 +16,7 @@ from typing import Any
 from distrun._config.option_values import NPROC_WORDS
 from distrun._config.run_config import RunConfig
 from distrun._launch.binding import bind_address, listen_socket
-from distrun._launch.group import WorkerGroup, node_services
+from distrun._launch.group import WorkerGroup
 from distrun._launch.outputs import worker_outputs
 from distrun._launch.ports import check_port, free_port
 from distrun._launch.ranks import NodeRanks
@@ -79,7 +79,7 @@ def launch_local(config: RunConfig, command: list[str], environ: dict[str, str],
                       signals=config.signals_to_handle, bind=bind)
     group = WorkerGroup(command, ranks, environ=environ, store=store, tee=config.tee,
                         outputs=worker_outputs(config, ranks.base_rank),
-                        services=node_services(config))
+                        services=config.node_services())
     return group.run()
 
 
@@ -137,5 +137,5 @@ def launch_in_place(config: RunConfig, command: list[str], environ: dict[str, st
     if environ.get("TORCHELASTIC_ERROR_FILE"):
         outputs.error_dir = None  # the agent's own error file (in ``environ``) is kept
     group = WorkerGroup(command, ranks, environ=environ, extra_env=inherited, tee=config.tee,
-                        outputs=outputs, services=node_services(config))
+                        outputs=outputs, services=config.node_services())
     return group.run()

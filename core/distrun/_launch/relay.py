@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
-__all__ = ["TAIL_LINES", "RankLines", "RankOutput", "Relay", "new_tail", "report_failure"]
+__all__ = ["TAIL_LINES", "LineSink", "RankLines", "RankOutput", "Relay", "SinkRelay", "new_tail",
+           "report_failure"]
 
 #: lines of a rank kept for its failure report
 TAIL_LINES = 20
@@ -77,11 +78,18 @@ def _plain(line: str) -> str:
     return _RANK_PREFIX.sub("", line, count=1)
 
 
+#: where a worker group's output goes instead of the console: ``sink(stream, text)``, stream
+#: ``"out"`` or ``"err"``, text any piece of the output as it comes (a ``\r`` redraw too)
+LineSink = Callable[[str, str], None]
+
+
 class Relay:
     """Print the output of many ranks without mixing their lines; thread-safe.
 
     Each (rank, stream) is fed by one thread at a time (:meth:`pipe`, or a
-    launcher's own reader calling :meth:`emit`).
+    launcher's own reader calling :meth:`emit`). A launcher whose ranks run elsewhere (Ray's
+    actors, a cluster's log stream) feeds it with :meth:`emit` and :meth:`flush`, and says a
+    failed rank with :meth:`report`.
     """
 
     def __init__(self, tee: bool = False,
@@ -144,6 +152,12 @@ class Relay:
             self._console(rank, rest[shown:], dst, line_start=shown == 0)
         with self.lock:
             self._write(rank, self._pending.pop(key, []), dst)
+
+    def report(self, rank: RankLines, code: int, where: str = "",
+               same: Sequence[int] = ()) -> None:
+        """Say once, in one line, that ``rank`` failed with exit ``code`` (see
+        :func:`report_failure`; ``where``: the node it ran on, e.g. ``Ray node 10.0.0.5``)."""
+        report_failure(rank, code, where=where, same=same)
 
     def failed_at(self, rank: int) -> float:
         """When ``rank`` first showed a failure: its first complete traceback, else the end
@@ -284,6 +298,21 @@ class Relay:
                 self.emit(rank, text, dst)
         except Exception:  # noqa: BLE001 - the output is lost; the worker must not block
             pass
+
+
+class SinkRelay(Relay):
+    """A relay that hands each piece of output to a :data:`LineSink` instead of printing it
+    (a launcher that forwards its workers' output elsewhere: the Ray actor to its driver)."""
+
+    def __init__(self, sink: LineSink) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def emit(self, rank: RankLines, text: str, dst: IO[str]) -> None:
+        self.sink("out" if dst is sys.stdout else "err", text)
+
+    def flush(self, rank: RankLines, dst: IO[str]) -> None:
+        """Nothing is held back: each piece went on as it came."""
 
 
 def _line_ends(buf: str) -> list[int]:

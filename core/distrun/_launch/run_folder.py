@@ -12,7 +12,6 @@ and checkpoints go to ``checkpoints/``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -31,55 +30,13 @@ from distrun._registry.manager import manager_of
 from distrun._spec.errors import DistrunError
 from distrun._spec.markers import hookimpl
 
-__all__ = ["CONFIG_FILE", "LOG_DIR", "config_options", "add_code_values", "render_config",
-           "value_sources", "write_config"]
+__all__ = ["CONFIG_FILE", "LOG_DIR", "add_code_values", "write_config"]
 
 CONFIG_FILE = "config.toml"
 LOG_DIR = "logs"
 #: set by the launcher for its workers when it could not write ``config.toml`` (and said so):
 #: rank 0 then does not try, and warn, again
 _UNWRITTEN_ENV = "DISTRUN_CONFIG_TOML_UNWRITTEN"
-
-
-def value_sources(config: Any) -> dict[str, str]:
-    """Where each value came from: the launcher's record beats the worker's "launcher" label."""
-    from distrun._config.run_config import CONFIG_ENV
-
-    sources = dict(config.sources)
-    raw = os.environ.get(CONFIG_ENV)
-    if raw:
-        try:
-            launcher = json.loads(raw).get("sources", {})
-        except ValueError:
-            launcher = {}
-        for name, source in launcher.items():
-            if sources.get(name) in (None, "launcher"):
-                sources[name] = source
-    return sources
-
-
-def config_options(config: Any) -> list[Any]:
-    """Option declarations for rendering ``config`` without calling any hook again.
-
-    Core fields keep their help and order; plugin options are listed under "plugins" (a
-    worker has their values, not their declarations, and must not re-run
-    ``distrun_register_options``).
-    """
-    from distrun._config.run_config import core_options
-    from distrun._spec.options import Option
-
-    core = core_options()
-    names = {o.name for o in core}
-    return core + [Option(name=n, plugin="plugins") for n in config.plugin_options
-                   if n not in names]
-
-
-def render_config(config: Any, options: list[Any] | None = None, header: str = "") -> str:
-    """``config`` as TOML with each value's source (see :func:`.toml_file.render_toml`)."""
-    from distrun._config.toml_file import render_toml
-
-    options = config_options(config) if options is None else options
-    return render_toml(options, config.as_dict(), value_sources(config), header=header)
 
 
 def write_config(config: Any, path: str, options: list[Any] | None = None) -> None:
@@ -89,7 +46,7 @@ def write_config(config: Any, path: str, options: list[Any] | None = None) -> No
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\ncommand: {command}\n"
               f"Each value's source follows it; defaults are commented out. Load again "
               f"with `distrun run --config {path} ...`.")
-    _write_atomic(path, render_config(config, options, header=header))
+    _write_atomic(path, config.to_toml(options, header=header))
 
 
 @hookimpl(wrapper=True)
@@ -181,7 +138,7 @@ def add_code_values(config: Any, path: str) -> None:
         return
     from distrun._registry.collect import collect_options
 
-    text = render_config(config, collect_options(manager_of(config)), header=_header(path))
+    text = config.to_toml(collect_options(manager_of(config)), header=_header(path))
     _write_atomic(path, text)
 
 

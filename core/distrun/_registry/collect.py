@@ -89,18 +89,8 @@ def collect_backends(pm: pluggy.PluginManager) -> dict[str, BackendInfo]:
 
 def requested_degrees(config: RunConfig) -> dict[str, int]:
     """The parallel degrees the config's plugins ask for (``distrun_parallel_degrees``):
-    ``{"tp": 2}``; empty for a config built without plugins."""
-    pm = config.pluginmanager
-    if pm is None:
-        return {}
-    out: dict[str, int] = {}
-    for answer in pm.hook.distrun_parallel_degrees(config=config):
-        for name, degree in (answer or {}).items():
-            if name in out:
-                raise UsageError(f"parallel degree {name!r} is published by two plugins "
-                                 "(uninstall or block one of them)")
-            out[name] = int(degree)
-    return out
+    ``{"tp": 2}``; empty for a config built without plugins (``config.parallel_degrees()``)."""
+    return config.parallel_degrees()
 
 
 def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],

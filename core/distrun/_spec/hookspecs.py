@@ -19,7 +19,7 @@ Conventions (as in pytest and pluggy):
 
 Call order. In the launcher: ``add_commands``, ``register_options``, ``register_strategies``,
 ``register_backends`` (building the CLI), then ``detect_cluster``, then ``launch`` (whose
-worker groups ask ``node_services``). In each
+worker groups ask ``config.node_services()``). In each
 worker (``register_backends`` when the strategy makes its process group)::
 
     register_options -> configure -> register_strategies -> [register_backends]
@@ -156,8 +156,8 @@ def distrun_continues_run(config: RunConfig) -> bool | None:
 def distrun_parallel_degrees(config: RunConfig) -> Mapping[str, int] | None:
     """Say which parallel degrees this plugin's options ask for (``{"tp": 2}``).
 
-    Called when a strategy reads the run's degrees (``requested_degrees(config)`` of
-    :mod:`distrun.plugin`): in the launcher, which checks the layout before any worker starts,
+    Called when a strategy reads the run's degrees (``config.parallel_degrees()``): in
+    the launcher, which checks the layout before any worker starts,
     and in each worker. The plugin that owns a parallel dimension publishes its degree here,
     so a strategy that composes with it (fsdp's dp x tp mesh) reads a fact, never that
     plugin's option. Any number of plugins; a degree named by two plugins is a plugin bug.

@@ -15,7 +15,7 @@ from distrun._registry.collect import choose_backends, collect_backends
 from distrun._spec.backends import BackendInfo
 from distrun._spec.errors import UsageError
 
-__all__ = ["device_backend", "env_topology", "init_process_group", "init_single_process_group",
+__all__ = ["device_backend", "env_topology", "init_process_group", "join_process_group",
            "prepare_backend", "select_device"]
 
 log = logging.getLogger("distrun")
@@ -142,13 +142,27 @@ def device_backend(device_type: str) -> str | None:
     return None
 
 
-def init_single_process_group(backend: str = "gloo") -> bool:
-    """A real one-rank group over an in-memory store; True if this call created it.
+def join_process_group(config: RunConfig | None = None, *, store: Any = None, rank: int = 0,
+                       world_size: int = 1, device_type: str = "cpu",
+                       backend: str | None = None) -> bool:
+    """Join a process group of a strategy's own; True if this call created it (nothing
+    happens when a group already exists).
 
-    For a strategy run by one process that still wants collectives and a device mesh, so the
-    same code path runs at any world size. Nothing happens when a group already exists.
+    Without ``store``: a real one-rank group over an in-memory store, for a strategy run by
+    one process that still wants collectives and a device mesh, so the same code path runs
+    at any world size. With one (a ``torch.distributed`` store, e.g. a ``PrefixStore`` over
+    the run's): rank ``rank`` of ``world_size``, for ranks that form a group of their own
+    (the rpc plugin's trainers). The backend is ``backend``, else ``config``'s ``--backend``
+    for ``device_type`` (checked and loaded), else gloo; with ``config`` the collectives time
+    out after ``config.timeout`` seconds.
     """
     if dist.is_initialized():
         return False
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if backend is None:
+        backend = prepare_backend(config, device_type) if config is not None else "gloo"
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=config.timeout)
+    dist.init_process_group(backend, store=dist.HashStore() if store is None else store,
+                            rank=rank, world_size=world_size, **kwargs)
     return True

@@ -25,6 +25,7 @@ nodes, worker rank 0 hosts it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -39,9 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from distrun.plugin import (
     EXIT_REQUEUE,
     NodeRanks,
-    WarmPool,
     WorkerGroup,
-    WorkerOutputs,
     exit_code,
     listen_socket,
     serve_store,
@@ -94,14 +93,16 @@ class DistrunAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, plan: ElasticPlan, host_store: bool = False,
                  bind: str | None = None, trains_task: bool = True,
-                 outputs: WorkerOutputs | None = None, services: Sequence[Any] = (),
+                 log_dir: str | None = None, error_dir: str | None = None,
+                 scratch: str | None = None, services: Sequence[Any] = (),
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.services = list(services)
         #: the rendezvous round of this node's current attempt (DISTRUN_RDZV_GENERATION)
         self.generation: int | None = None
-        #: where the workers' log and error files go (``--log-dir``, else a temporary folder)
-        self.outputs = outputs or WorkerOutputs()
+        #: where the workers' log files go (``--log-dir``) and their error files (there, else
+        #: in ``scratch``, a temporary folder of this run's, removed at its end)
+        self.log_dir, self.error_dir, self.scratch = log_dir, error_dir, scratch
         #: this attempt's workers (None before the first start)
         self.group: WorkerGroup | None = None
         self.plan = plan
@@ -123,10 +124,11 @@ class DistrunAgent(LocalElasticAgent):
         self.cut_off_after: float | None = None
         #: set by the main thread once the cut-off signal reached it
         self.unwound = threading.Event()
-        #: the warm spares the workers are forked from (None: every start is cold)
-        self.warm: WarmPool | None = None
+        #: the warm spares the workers are forked from (``WorkerGroup.spares``; None: every
+        #: start is cold)
+        self.warm: Any = None
         #: what starts the spares once the first workers have started (None: nothing to start)
-        self.make_warm: Callable[[], WarmPool] | None = None
+        self.make_warm: Callable[[], Any] | None = None
         self._ending = threading.Lock()
         self._rounds = 0
 
@@ -174,7 +176,9 @@ class DistrunAgent(LocalElasticAgent):
 
     def remove_scratch(self) -> None:
         """Remove the workers' error files the user did not ask for (their lines were relayed)."""
-        self.outputs.cleanup()
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
     def stop_liveness(self) -> None:
         if self.liveness is not None:
@@ -222,7 +226,8 @@ class DistrunAgent(LocalElasticAgent):
         # each attempt's group relays its own output (a restarted group's tracebacks are
         # printed again)
         self.group = WorkerGroup([spec.entrypoint, *spec.args], ranks, environ=os.environ,
-                                 extra_env=extra, outputs=self.outputs, tee=self.plan.tee,
+                                 extra_env=extra, log_dir=self.log_dir,
+                                 error_dir=self.error_dir, tee=self.plan.tee,
                                  warm=self.warm, services=self.services).start()
         _stop_with_signals()  # as torch's own process context does: SignalException in run()
         return {w.local_rank: w.proc.pid for w in self.group.workers}
@@ -289,7 +294,7 @@ class DistrunAgent(LocalElasticAgent):
         codes = group.poll()
         failures = {
             w.rank: ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code,
-                                   error_file=group.outputs.error_file(w.rank) or "")
+                                   error_file=group.error_file(w.rank) or "")
             for w, code in zip(group.workers, codes) if code not in (None, 0)}
         if failures:
             return RunResult(state=WorkerState.FAILED, failures=failures)

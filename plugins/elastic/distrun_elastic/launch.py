@@ -43,8 +43,7 @@ from distrun.plugin import (
     EXIT_REQUEUE,
     DistrunError,
     UsageError,
-    WarmPool,
-    WorkerOutputs,
+    WorkerGroup,
     exit_code,
     listen_socket,
     local_address,
@@ -68,7 +67,7 @@ def trains_task(command: list[str]) -> bool:
     return False
 
 
-def _end_spares(pool: WarmPool) -> None:
+def _end_spares(pool: Any) -> None:
     """End the warm spares at once: they hold nothing, and one that is still importing torch
     (a script's spares start with its first workers) would not read its socket's close until
     it is done; one that is idle would then tear down an interpreter that has imported torch.
@@ -212,12 +211,13 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
         _workers_use_agent_store(handler)
     stop_grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     task = trains_task(command)
-    warm: WarmPool | None = None
-    make_warm: Callable[[], WarmPool] | None = None
-    if plan.warm_restart and WarmPool.serves(command):
+    warm: Any = None
+    make_warm: Callable[[], Any] | None = None
+    if plan.warm_restart:
 
-        def spares() -> WarmPool:
-            return WarmPool(command, plan.nproc_per_node, env=os.environ, debug=plan.debug)
+        def spares() -> Any:
+            return WorkerGroup.spares(command, plan.nproc_per_node, environ=os.environ,
+                                      debug=plan.debug)
 
         # A task's workers import what the spares preload (torch, its optimizers' torch._dynamo,
         # distrun's loop): started now, from this (main) thread, the spares import it during
@@ -230,14 +230,13 @@ def launch_elastic(plan: ElasticPlan, command: list[str], environ: dict[str, str
             make_warm = spares
     # the workers' output comes through pipes; torch's error files go into --log-dir, or a
     # folder of this run's own, removed when the run ends however it ends
-    outputs = WorkerOutputs(log_dir=plan.log_dir or None,
-                            error_dir=os.path.abspath(plan.log_dir) if plan.log_dir else None)
-    if not plan.log_dir:
-        outputs.error_dir = outputs.temporary = tempfile.mkdtemp(prefix="distrun_elastic_")
+    scratch = None if plan.log_dir else tempfile.mkdtemp(prefix="distrun_elastic_")
     agent = DistrunAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
                          start_method="spawn", shutdown_timeout=stop_grace,
                          plan=plan, host_store=host_store, bind=plan.bind_address,
-                         trains_task=task, outputs=outputs, services=services)
+                         trains_task=task, log_dir=plan.log_dir or None,
+                         error_dir=os.path.abspath(plan.log_dir) if plan.log_dir else scratch,
+                         scratch=scratch, services=services)
     agent.warm, agent.make_warm = warm, make_warm
     _quiet_torch_logs(plan.debug)
     shutdown_rdzv = True

@@ -32,8 +32,7 @@ def distrun_launch(config, command, environ):
     if not wants_elastic(config):
         return None
     plan, config = make_plan(config, environ)
-    from distrun.plugin import node_services
     from distrun_elastic.launch import launch_elastic
 
     # (the worker group warns once when this node's ranks outnumber its cores)
-    return launch_elastic(plan, command, environ, services=node_services(config))
+    return launch_elastic(plan, command, environ, services=config.node_services())

@@ -32,8 +32,7 @@ from distrun.plugin import (
     UsageError,
     bind_address,
     free_port,
-    new_run_key,
-    with_values,
+    run_key,
 )
 from distrun_elastic.options import ElasticOptions
 
@@ -76,7 +75,7 @@ class ElasticPlan:
     signals: str = ""
     #: seconds without a heartbeat after which a node counts as lost (see liveness)
     heartbeat_timeout: float = 15.0
-    #: fork the workers from a warm spare per local rank (distrun.plugin.WarmPool)
+    #: fork the workers from a warm spare per local rank (distrun.plugin.WorkerGroup.spares)
     warm_restart: bool = True
     #: the config the workers take (resume, run name as the elastic launch sets them)
     config: Any = None
@@ -230,9 +229,9 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
     if "resume" not in config.sources:
         updates["resume"] = "auto"
     if updates:
-        config = with_values(config, source="elastic", **updates)
+        config = config.with_values(source="elastic", **updates)
     # the nodes of one run share its folders: one key for their locks
-    run_key = new_run_key(run_id, endpoint) if hi > 1 else ""
+    key = run_key(shared=(run_id, endpoint)) if hi > 1 else ""
     host, _ = split_endpoint(endpoint)
     # where this node's servers listen; on one node it is also the address workers meet at
     bind = bind_address(hi, host, config.local_addr)
@@ -248,7 +247,7 @@ def make_plan(config: RunConfig, environ: dict[str, str]) -> tuple[ElasticPlan, 
         role=config.role,
         signals=config.signals_to_handle if "signals_to_handle" in config.sources else "",
         heartbeat_timeout=opts.heartbeat_timeout,
-        warm_restart=opts.warm_restart, config=config, run_key=run_key,
+        warm_restart=opts.warm_restart, config=config, run_key=key,
     )
     return plan, config
 

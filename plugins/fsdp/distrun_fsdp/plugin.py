@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.plugin import (
-    ParallelDims,
-    StrategyInfo,
-    hookimpl,
-    requested_degrees,
-)
+from distrun.plugin import ParallelDims, StrategyInfo, hookimpl
 from distrun_fsdp.options import FsdpOptions
 
 DISTRUN_PLUGIN_API = 1  # the distrun.plugin API this plugin is written for
@@ -26,7 +21,7 @@ def distrun_register_strategies(register):
 
 def parallel_dims(config: Any, world_size: int) -> ParallelDims:
     """The dp (x tp) degrees of ``world_size`` ranks (torch-free: the launcher checks them)."""
-    degrees = requested_degrees(config)  # a tp degree is the tp plugin's fact, not our option
+    degrees = config.parallel_degrees()  # a tp degree is the tp plugin's fact, not our option
     return ParallelDims.from_world(world_size, tp=degrees.get("tp", 1),
                                    dp_replicate=FsdpOptions.of(config).fsdp_replicate_degree)
 

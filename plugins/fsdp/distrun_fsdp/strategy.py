@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from distrun.plugin import (
     BaseStrategy,
     build_mesh,
-    init_single_process_group,
+    join_process_group,
     keys,
 )
 from distrun_fsdp.options import FsdpOptions
@@ -41,7 +41,7 @@ class FSDPStrategy(BaseStrategy):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        if self.world_size == 1 and init_single_process_group():
+        if self.world_size == 1 and join_process_group():
             self._owns_group = True
         self.dims = parallel_dims(self.config, self.world_size)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)

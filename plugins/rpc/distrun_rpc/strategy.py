@@ -120,16 +120,14 @@ class RpcStrategy(BaseStrategy):
     def _join_trainers(self) -> None:
         # A second client of the RPC rendezvous store (hosted by rank 0, a trainer) gives the
         # trainers their own group (--backend's, gloo by default) without another port.
-        from distrun.plugin import prepare_backend
+        from distrun.plugin import join_process_group
 
         cfg = self.config
-        timeout = datetime.timedelta(seconds=cfg.timeout)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
-        dist.init_process_group(prepare_backend(cfg, "cpu"),
-                                store=dist.PrefixStore("distrun_rpc_trainers", store),
-                                rank=self.rank, world_size=self.world_size, timeout=timeout)
-        self._owns_group = True
+                              is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout))
+        self._owns_group = join_process_group(
+            cfg, store=dist.PrefixStore("distrun_rpc_trainers", store), rank=self.rank,
+            world_size=self.world_size, device_type="cpu")
 
     def _build_server_state(self, run: Run) -> server.ServerState:
         from distrun.plugin import seed_everything

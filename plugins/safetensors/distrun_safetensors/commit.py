@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from distrun.plugin import launcher_alive
+from distrun.plugin import ProcessId
 from distrun_safetensors.checksums import DEFAULT as CHECKSUM
 from distrun_safetensors.fence import CommitLock, LockLost, fenced_error, find_stale
 from distrun_safetensors.files import (
@@ -114,7 +114,8 @@ def _publish(directory: str, lock: CommitLock, generation: int, step: int, tmp: 
     stale = find_stale(directory, generation, step)
     if stale is not None:
         raise fenced_error(stale, generation, step, directory)
-    if not launcher_alive():  # an orphan (its launcher was killed) never commits
+    launcher = ProcessId.launcher()
+    if launcher is not None and not launcher.alive():  # an orphan (its launcher was killed) never commits
         raise CheckpointError("the launcher is gone: this run was stopped")
     lock.ensure()
     aside = None

@@ -10,10 +10,10 @@ off by a partition, frozen, or a run started earlier on the same folder) is *fen
 is dropped and it fails with one line.
 
 One start is one launcher's rendezvous round: the processes a launcher starts in one round
-(``distrun.plugin.launcher_pid``, the run's key ``distrun.plugin.run_key`` and the rendezvous generation, recorded as
-the generation file's ``round``) share its generation. Rank 0 of an elastic round or of a
-``distrun run`` draws once anyway; the case is ``distrun run --ft``, whose replica groups are one
-run that a single launcher keeps in one round, each group writing while it is the lowest live
+(its launcher, ``distrun.plugin.ProcessId.launcher()``, the run's key ``distrun.plugin.run_key``
+and the rendezvous generation, recorded as the generation file's ``round``) share its
+generation. Rank 0 of an elastic round or of a ``distrun run`` draws once anyway; the case is
+``distrun run --ft``, whose replica groups are one run that a single launcher keeps in one round, each group writing while it is the lowest live
 replica and restarted alone when it dies. A group that starts saving (its first save, or after a
 restart) joins the generation its launcher's round drew when the folder's newest generation is
 that one, instead of drawing a newer one that would fence the group that trains on beside it
@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distrun.plugin import launcher_pid, pid_alive, pid_start_time, run_key
+from distrun.plugin import ProcessId, run_key
 from distrun_safetensors.errors import CheckpointError, FencedError
 from distrun_safetensors.files import fsync_dir
 from distrun_safetensors.manifest import (
@@ -219,7 +219,8 @@ def _read_record(path: str) -> dict[str, Any] | None:
 
 def _dead_here(holder: dict[str, Any]) -> bool:
     pid = holder.get("pid")
-    return holder.get("host") == HOST and isinstance(pid, int) and not pid_alive(pid)
+    return holder.get("host") == HOST and isinstance(pid, int) \
+        and not ProcessId(pid).alive()
 
 
 def _who(holder: dict[str, Any] | None) -> str:
@@ -245,13 +246,12 @@ def round_key(rdzv_generation: int = 0, environ: Mapping[str, str] | None = None
     launcher (host, pid and the pid's start time), the run's key and ``rdzv_generation``;
     None when the process was not started by a distrun launcher."""
     env = os.environ if environ is None else environ
-    pid, key = launcher_pid(env), run_key(env)
-    if pid is None:
+    launcher = ProcessId.launcher(environ)
+    if launcher is None:
         return None
-    started = pid_start_time(pid)
-    if started is None:  # the launcher is gone: nothing left to share a round with
+    if launcher.start is None:  # the launcher is gone: nothing left to share a round with
         return None
-    return f"{key}/{HOST}/{pid}/{started}/{rdzv_generation}"
+    return f"{run_key(env)}/{HOST}/{launcher.pid}/{launcher.start}/{rdzv_generation}"
 
 
 def _drawn_round(directory: str) -> str | None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from distrun.plugin import (
     BaseStrategy,
     build_mesh,
-    init_single_process_group,
+    join_process_group,
     keys,
 )
 from distrun_tp.plugin import tp_layout
@@ -34,7 +34,7 @@ class TPStrategy(BaseStrategy):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        if self.world_size == 1 and init_single_process_group():
+        if self.world_size == 1 and join_process_group():
             self._owns_group = True
         self.dims = tp_layout(self.config, self.world_size)
         self.mesh: DeviceMesh = build_mesh(self.dims, self.device.type, self.config.timeout)

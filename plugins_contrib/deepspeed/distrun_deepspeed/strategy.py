@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from distrun.plugin import BaseStrategy, UsageError, init_single_process_group
+from distrun.plugin import BaseStrategy, UsageError, join_process_group
 from distrun_deepspeed.optimizer_view import FullWeights, ZeroOptimizerView
 from distrun_deepspeed.options import DeepSpeedOptions, user_config
 
@@ -98,7 +98,7 @@ class DeepSpeedStrategy(BaseStrategy):
             logging.DEBUG if self.config.debug else logging.WARNING)
         if self.world_size == 1:  # the engine needs a process group, also for one rank
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self._owns_group = init_single_process_group(backend) or self._owns_group
+            self._owns_group = join_process_group(backend=backend) or self._owns_group
         _skip_shm_build()
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
                                    auto_mpi_discovery=False)

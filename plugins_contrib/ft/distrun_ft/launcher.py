@@ -49,9 +49,7 @@ from distrun.plugin import (
     exit_code,
     fresh_run_folder,
     listen_socket,
-    node_services,
     resolve_nproc,
-    with_values,
 )
 from distrun_ft.options import FtOptions
 from distrun_ft.settings import lighthouse_here, lighthouse_hostport, timeouts
@@ -129,13 +127,13 @@ def _group_config(config: Any, g: int, attempt: int = 0) -> Any:
         # would train the committed steps again and overwrite their checkpoints)
         values["resume"] = "auto"
     if not config.run_dir:
-        return with_values(config, **values) if values else config
+        return config.with_values(**values) if values else config
     values["run_dir"] = os.path.join(config.run_dir, f"replica{g}")
     ckpt_dir = config.get("ckpt_dir")  # the checkpoint plugin's option, when it is installed
     if ckpt_dir is not None:
         # one checkpoint folder for the run: any group may write it, every group reads it
         values["ckpt_dir"] = ckpt_dir or os.path.join(config.run_dir, "checkpoints")
-    return with_values(config, **values)
+    return config.with_values(**values)
 
 
 def _start_group(group: _Group, config: Any, command: list[str], environ: dict[str, str],
@@ -181,8 +179,8 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         # the launcher gave: every group would write the same metrics.csv (one's rename failed
         # on the other's). An --ft run always trains through distrun's loop, so it gets its
         # folder here, and each group its own replica<G> in it.
-        config = fresh_run_folder(with_values(
-            config, run_dir=os.path.join("runs", config.name or "run")))
+        config = fresh_run_folder(
+            config.with_values(run_dir=os.path.join("runs", config.name or "run")))
     run_id = environ.get("TORCHELASTIC_RUN_ID") or config.name or "distrun"
     lighthouse_proc: subprocess.Popen | None = None
     address = LOOPBACK  # one host: everything on loopback
@@ -198,7 +196,7 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     else:
         lighthouse_proc, lighthouse = _start_lighthouse(config)
     first = int(FtOptions.of(config).ft_first_replica)
-    services = node_services(config)  # told of every group's starts and ends
+    services = config.node_services()  # told of every group's starts and ends
     groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from distrun.plugin import UsageError, local_address, requested_degrees, resolve_nproc
+from distrun.plugin import UsageError, local_address, resolve_nproc
 from distrun_ft.options import FtOptions
 
 __all__ = ["Timeouts", "check_launch", "lighthouse_here", "lighthouse_hostport", "sync_mode",
@@ -117,7 +117,7 @@ def check_launch(config: Any) -> None:
                                "an fsdp group")
         raise UsageError(f"--ft does not support --strategy {strategy} ({why}): use ddp or "
                          "fsdp inside each replica group")
-    degrees = {k: v for k, v in requested_degrees(config).items() if int(v) > 1}
+    degrees = {k: v for k, v in config.parallel_degrees().items() if int(v) > 1}
     if degrees:
         name, degree = next(iter(degrees.items()))
         raise UsageError(f"--ft does not support {name} parallelism ({name} degree {degree}): "

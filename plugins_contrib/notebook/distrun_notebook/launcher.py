@@ -169,13 +169,13 @@ def _task_config(task: Any, options: dict[str, Any], num_processes: int) -> Any:
     A bad option or an unknown strategy is then one line in the cell, not an error in every
     rank; and the ranks share one fresh run folder (``runs/<notebook>``, ``-2``, ...).
     """
-    from distrun.plugin import fresh_run_folder, resolve_run_config, with_values
+    from distrun.plugin import fresh_run_folder, resolve_run_config
 
     config = resolve_run_config(options, num_processes)
     if not config.run_dir:
         name = config.name or _notebook_name()
-        config = with_values(config, source=config.sources.get("name", "launcher"), name=name)
-        config = with_values(config, run_dir=os.path.join("runs", name))
+        config = config.with_values(source=config.sources.get("name", "launcher"), name=name)
+        config = config.with_values(run_dir=os.path.join("runs", name))
     config = fresh_run_folder(config)
     return config
 

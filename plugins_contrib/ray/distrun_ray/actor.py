@@ -15,24 +15,9 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 __all__ = ["RankHost"]
-
-
-def _queue_relay(lines: collections.deque[tuple[str, str]]) -> Any:
-    """A relay that queues the worker's output as it comes (pieces of lines too: a ``\\r``
-    redraw) for the launcher to print, instead of printing it here."""
-    from distrun.plugin import Relay
-
-    class QueueRelay(Relay):
-        def emit(self, rank: Any, text: str, dst: IO[str]) -> None:
-            lines.append(("out" if dst is sys.stdout else "err", text))
-
-        def flush(self, rank: Any, dst: IO[str]) -> None:
-            pass
-
-    return QueueRelay()
 
 
 class RankHost:
@@ -81,11 +66,16 @@ class RankHost:
         self.lines.clear()
         self.group = WorkerGroup(
             argv, dataclasses.replace(ranks, bind=bind), environ={**os.environ, **base},
-            store=self.store, relay=_queue_relay(self.lines),
+            store=self.store, relay=self._queue,
             cwd=cwd if os.path.isdir(cwd) else None)
         self.store = None  # the group closes it once the worker holds it
         self.group.start()
         return int(self.group.workers[0].proc.pid)
+
+    def _queue(self, stream: str, text: str) -> None:
+        """Queue the worker's output as it comes (pieces of lines too: a ``\r`` redraw) for
+        the launcher to print, instead of printing it here."""
+        self.lines.append((stream, text))
 
     def poll(self) -> tuple[list[tuple[str, str]], int | None]:
         """New output since the last poll, and the exit code once the worker is done."""

@@ -39,8 +39,6 @@ from distrun.plugin import (
     UsageError,
     WorkerGroup,
     exit_code,
-    report_failure,
-    with_values,
 )
 from distrun_ray.options import RayOptions
 
@@ -151,9 +149,9 @@ class _Stop:
         self.since = self.since or time.monotonic()
 
 
-def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, tee: bool) -> _Rank | None:
-    """Wait for every rank; the first failed one (the others are stopped), or None."""
-    relay = Relay(tee=tee)
+def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, relay: Relay) -> _Rank | None:
+    """Wait for every rank, their output on ``relay``; the first failed one (the others are
+    stopped), or None."""
     forwarded = False
     while True:
         live = [r for r in ranks if r.code is None]
@@ -255,7 +253,7 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             # every server on its node's address as Ray knows it, never every interface
             port = ray.get(ranks[0].actor.store_port.remote(master_ip), timeout=60)
             cfg = config if attempt == 0 or config.resume != "never" else \
-                with_values(config, resume="auto")
+                config.with_values(resume="auto")
             log_dir = os.path.join(config.run_dir, "logs") if config.run_dir else None
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
@@ -270,7 +268,8 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
                 starts.append(r.actor.start.remote(command, layout, base, os.getcwd(), r.ip))
             ray.get(starts, timeout=120)
-            failed = _run_group(ray, ranks, stop, config.tee)
+            relay = Relay(tee=config.tee)
+            failed = _run_group(ray, ranks, stop, relay)
             _release(ray, ranks, pg, remove_placement_group)
             pg = None
             if failed is None:
@@ -287,10 +286,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                 lost.append(f"node {failed.node_name}")
                 code = EXIT_REQUEUE  # nothing failed in the job: it can go on elsewhere
             elif final:
-                last_word.append(functools.partial(report_failure, failed, code,
+                last_word.append(functools.partial(relay.report, failed, code,
                                                    where=f"Ray node {failed.ip}"))
             else:
-                report_failure(failed, code, where=f"Ray node {failed.ip}")
+                relay.report(failed, code, where=f"Ray node {failed.ip}")
             if attempt < restarts:
                 sys.stderr.write(
                     f"distrun: restarting all {n} ranks on Ray (restart {attempt + 1} of "

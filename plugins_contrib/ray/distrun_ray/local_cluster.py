@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from distrun.plugin import free_port, pid_alive, reaped
+from distrun.plugin import ProcessId, free_port, reaped
 
 __all__ = ["LocalRayCluster"]
 
@@ -153,7 +153,7 @@ class LocalRayCluster:
             leader.wait()
             deadline = time.monotonic() + 10.0
             while True:
-                left = {pid for pid in started if pid_alive(pid)} | self.processes()
+                left = {pid for pid in started if ProcessId(pid).alive()} | self.processes()
                 if not left or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)

@@ -16,7 +16,7 @@ import secrets
 import socket
 from typing import Any
 
-from distrun.plugin import pid_alive, pid_start_time
+from distrun.plugin import ProcessId
 
 __all__ = ["creator_gone", "leftover_segments", "load", "machine_id", "remove_stale_segments",
            "segment_prefix", "segments"]
@@ -72,8 +72,7 @@ def segment_prefix() -> str:
 
 
 def _creator_tag() -> str:
-    pid = os.getpid()
-    return f"{pid}.{pid_start_time(pid) or 0}"
+    return str(ProcessId.of(os.getpid()))
 
 
 def creator_gone(name: str) -> bool:
@@ -83,11 +82,10 @@ def creator_gone(name: str) -> bool:
     without a start time (written by an earlier version) is judged by its pid alone.
     """
     tag = name[len(segment_prefix()):].split("-", 1)[0]
-    pid_text, _, start = tag.partition(".")
-    if not pid_text.isdigit():
+    creator = ProcessId.parse(tag)
+    if creator is None:
         return False  # not a name this backend writes: not ours to judge
-    pid = int(pid_text)
-    return not pid_alive(pid) or (start not in ("", "0") and pid_start_time(pid) != start)
+    return not creator.alive()
 
 
 def segments() -> list[str]:

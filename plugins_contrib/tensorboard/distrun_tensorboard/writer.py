@@ -23,7 +23,5 @@ def open_writer(run: Any) -> Any:
     writer = SummaryWriter(log_dir=event_dir(run), purge_step=purge,
                            flush_secs=int(TensorBoardOptions.of(run.config).tensorboard_flush_secs) or 1)
     if run.resumed_from is None:
-        from distrun.plugin import render_config
-
-        writer.add_text("config", "```toml\n" + render_config(run.config) + "```", global_step=0)
+        writer.add_text("config", "```toml\n" + run.config.to_toml() + "```", global_step=0)
     return writer

@@ -50,7 +50,7 @@ class Launch:
 
     def watch(self) -> None:
         """Remember every process below the launcher now (checked dead at the end)."""
-        from distrun.plugin import pid_alive  # noqa: F401 (import check)
+        from distrun.plugin import ProcessId  # noqa: F401 (import check)
 
         self.descendants.update(descendants(self.proc.pid))
 

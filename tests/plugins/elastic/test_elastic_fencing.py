@@ -18,7 +18,7 @@ import time
 import pytest
 from elastic_helpers import TASK, TRAIN, Launcher, plugin_env, records
 
-from distrun.plugin import pid_alive
+from distrun._launch.lifeline import pid_alive
 from distrun.testing import free_port
 
 STORE = """

@@ -13,7 +13,7 @@ import pytest
 from distrun._config.run_config import resolve_config
 from distrun._registry.collect import collect_options
 from distrun._registry.manager import make_plugin_manager
-from distrun.plugin import UsageError, with_values
+from distrun.plugin import UsageError
 from distrun.testing import run_cli
 from distrun.testing.sockets import HOLD_SCRIPT, listeners_of_held_run
 
@@ -28,7 +28,7 @@ def config_of(**flags):
     config = resolve_config(collect_options(pm), flags={k: str(v) for k, v in flags.items()})
     # What the core's launcher fills in before distrun_launch: a default name and folder.
     name = config.name or "train-20260101-120000"
-    return with_values(config, name=name, run_dir=config.run_dir or os.path.join("runs", name))
+    return config.with_values(name=name, run_dir=config.run_dir or os.path.join("runs", name))
 
 
 def test_answers_only_when_elasticity_is_asked_for():
@@ -73,9 +73,9 @@ def test_rdzv_id_names_the_run_so_nodes_share_checkpoints():
     # to the loopback), where its servers listen too: all nodes on this machine here
     assert plan.local_addr == plan.bind_address == "127.0.0.2"
     # the nodes of one run share one key for their folder locks
-    from distrun.plugin import new_run_key
+    from distrun.plugin import run_key
 
-    assert plan.run_key == new_run_key("job7", "127.0.0.2:29400")
+    assert plan.run_key == run_key(shared=("job7", "127.0.0.2:29400"))
     assert plan.rdzv_configs == {"last_call_timeout": "5"}
     # A name the user chose wins over the rendezvous id.
     _, named = make_plan(config_of(nnodes="1:4", rdzv_endpoint="127.0.0.1:1", rdzv_id="job7",

@@ -16,7 +16,7 @@ import signal
 import pytest
 from elastic_helpers import TASK, TRAIN, Launcher, plugin_env, records, steps_trained
 
-from distrun.plugin import pid_alive
+from distrun._launch.lifeline import pid_alive
 from distrun.testing import free_port
 
 #: one worker per launcher, the reference's global batch, and a collective timeout far above

@@ -16,7 +16,7 @@ import pytest
 import torch
 from elastic_helpers import HERE, TASK, TRAIN, Launcher, final_weights, plugin_env, records
 
-from distrun.plugin import pid_alive
+from distrun._launch.lifeline import pid_alive
 from distrun.testing import run_cli
 
 ZYGOTE = "distrun._worker.zygote"

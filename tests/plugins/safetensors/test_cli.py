@@ -103,7 +103,7 @@ def test_launcher_killed_during_a_save_leaves_a_save_that_clean_removes(tmp_path
     ABANDONED and `ckpt clean` removes it, leaving the checkpoints folder as before the save."""
     import time
 
-    from distrun.plugin import pid_alive
+    from distrun._launch.lifeline import pid_alive
 
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
