@@ -11,7 +11,7 @@ import pluggy
 import pytest
 
 from distrun._config.run_config import resolve_config
-from distrun._registry.collect import collect_options, requested_degrees
+from distrun._registry.collect import collect_options
 from distrun._registry.manager import make_plugin_manager
 from distrun._spec.options import Option, plugin_options  # the older forms, kept working
 from distrun.plugin import PluginOptions, UsageError, hookimpl, option
@@ -139,10 +139,10 @@ def test_a_name_two_classes_declare_is_refused():
 
 def test_a_published_parallel_degree_reaches_a_strategy_that_composes_with_it():
     pm = _manager(TensorDegree())
-    assert requested_degrees(_config(pm)) == {"tp": 2}
-    assert requested_degrees(_config(_manager())) == {}
+    assert _config(pm).parallel_degrees() == {"tp": 2}
+    assert _config(_manager()).parallel_degrees() == {}
     with pytest.raises(UsageError, match="parallel degree 'tp' is published by two plugins"):
-        requested_degrees(_config(_manager(TensorDegree(), TensorDegree())))
+        _config(_manager(TensorDegree(), TensorDegree())).parallel_degrees()
 
 
 def test_a_plain_option_declaration_still_registers():

@@ -15,7 +15,6 @@ import sys
 
 from distrun._config.parallel_dims import check_global_batch
 from distrun._config.run_config import RunConfig
-from distrun._registry.collect import requested_degrees
 from distrun._spec.errors import UsageError
 from distrun._spec.strategy import StrategyInfo
 
@@ -52,7 +51,7 @@ def check_layout(config: RunConfig, info: StrategyInfo, world_size: int) -> None
 def check_degrees(config: RunConfig) -> None:
     """The parallel degrees the plugins publish (``distrun_parallel_degrees``), asked once per
     launch: whole numbers >= 1 (the strategy that builds the mesh checks they fit the world)."""
-    for name, degree in requested_degrees(config).items():
+    for name, degree in config.parallel_degrees().items():
         if degree < 1:
             raise UsageError(f"the {name} degree must be at least 1, not {degree} (a plugin "
                              f"published it: check the option that sets the {name} degree)")

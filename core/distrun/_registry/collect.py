@@ -19,7 +19,7 @@ from distrun._spec.strategy import StrategyInfo
 
 __all__ = ["apply_cluster_env", "check_consumed", "detect_cluster",
            "choose_backends", "choose_strategy", "collect_backends", "collect_options",
-           "collect_strategies", "option_registrar", "requested_degrees", "resolve_run_config"]
+           "collect_strategies", "option_registrar", "resolve_run_config"]
 
 
 
@@ -85,12 +85,6 @@ def collect_backends(pm: pluggy.PluginManager) -> dict[str, BackendInfo]:
     out: dict[str, BackendInfo] = {}
     pm.hook.distrun_register_backends(register=_registrar(out, "backend", "offered"))
     return out
-
-
-def requested_degrees(config: RunConfig) -> dict[str, int]:
-    """The parallel degrees the config's plugins ask for (``distrun_parallel_degrees``):
-    ``{"tp": 2}``; empty for a config built without plugins (``config.parallel_degrees()``)."""
-    return config.parallel_degrees()
 
 
 def choose_backends(config: RunConfig, backends: dict[str, BackendInfo],
