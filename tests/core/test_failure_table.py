@@ -121,10 +121,10 @@ def _collective_timeout(monkeypatch: pytest.MonkeyPatch) -> _Built:
         run.progress.step_started = time.monotonic()
         exc = _raised(lambda: dist.recv(torch.zeros(1)))  # from any rank: none sends
     return _Built(exc, run, DistrunError, 1, (
-        "rank 0: a collective timed out after 0.3s: the ranks are out of step (most often "
-        "uneven inputs: one rank ran out of batches while the others wait for it; pip install "
-        "distrun-join, or give every rank the same number of batches); change the limit with "
-        "--timeout SECONDS or DISTRUN_TIMEOUT"))
+        "rank 0: a collective timed out after 0.3s: the ranks are out of step (a rank stopped "
+        "calling collectives: stuck, or out of batches, which pip install distrun-join "
+        "handles; under `distrun run` its stall line names the rank first, see "
+        "--stall-timeout); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT"))
 
 
 def _lost_connection(monkeypatch: pytest.MonkeyPatch) -> _Built:

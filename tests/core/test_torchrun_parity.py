@@ -40,6 +40,8 @@ DIFFERENCES = {
     "DISTRUN_LAUNCHER_PID": "distrun only: a worker dies with its launcher (launch.lifeline)",
     "DISTRUN_RUN_KEY": "distrun only: the run's identity for its folder locks, shared by every "
                        "process of the run (launch.folder_lock)",
+    "DISTRUN_POSITIONS": "distrun only: where each rank keeps its position record and its "
+                         "stack dumps, a folder of the launcher's (diagnose.position)",
     "DISTRUN_BIND_ADDRESS": "distrun only: where the worker's own servers listen (127.0.0.1 "
                             "on one node: launch.binding)",
     "GLOO_SOCKET_IFNAME": "distrun only: gloo's pair sockets on the loopback interface on one "
@@ -89,6 +91,7 @@ def test_environment_matches_torchrun_variable_by_variable(tmp_path):
     # temporary folder is gone too
     assert sorted(os.listdir(tmp_path)) == ["distrun", "dump.py", "torchrun"]
     assert not os.path.exists(os.path.dirname(mine["TORCHELASTIC_ERROR_FILE"]))
+    assert not os.path.exists(mine["DISTRUN_POSITIONS"])
 
 
 RECORD = """

@@ -87,6 +87,13 @@ class RunConfig:
     nonfinite_loss: str = _opt("warn", "a NaN/inf loss: warn once and go on, stop the run at that "
                                       "step, or ignore it", choices=("warn", "stop", "ignore"))
     timeout: float = _opt(300.0, "seconds a collective may wait before failing", min=1)
+    stall_timeout: float = _opt(
+        -1.0, "seconds in which no rank moves before the launcher names the rank the others "
+              "wait for, with every rank's stacks (-1: max(60, 20 steps), under --timeout; "
+              "0: off)", min=-1, launcher_only=True)
+    on_stall: str = _opt("stop", "after naming a stall: end the run (exit 1; --max-restarts "
+                                 "restarts it) or wait for --timeout", choices=("stop", "wait"),
+                         launcher_only=True)
     resume: str = _opt("never", "'never', 'auto' (the run's newest valid checkpoint, if any), "
                                "'latest' (the same, but one must exist), a word a checkpoint "
                                "plugin adds, or a PATH",
@@ -401,6 +408,10 @@ def _check(config: RunConfig) -> None:
             f"--resume {config.resume} is a file; give a checkpoint folder (step-N), a "
             "checkpoints folder or a run folder"
         )
+    if config.stall_timeout >= config.timeout:
+        raise UsageError(f"--stall-timeout {config.stall_timeout:g} must be shorter than "
+                         f"--timeout {config.timeout:g}: a collective would fail first, with no "
+                         "diagnosis (lower --stall-timeout or raise --timeout)")
     nnodes = config.nnodes
     parts = nnodes.split(":")
     if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)):

@@ -23,3 +23,12 @@ def distrun_launch(config: Any, command: list[str], environ: dict[str, str],
     from distrun._launch.local import launch_local
 
     return launch_local(config, command, environ, cluster)
+
+
+@hookimpl
+def distrun_node_services(config: Any) -> Any:
+    """The stall watcher beside every group of workers (``--stall-timeout 0``: it only
+    describes the run for ``distrun stacks``)."""
+    from distrun._diagnose.watcher import StallWatcher
+
+    return StallWatcher(config)

@@ -17,18 +17,24 @@ rank needs is built here once:
 - its end: an exit watch that sleeps until a rank exits, signals forwarded, a stop with grace,
   the rank that failed first named with its last line, every process reaped;
 - the node's services: objects with ``started(group)`` and ``ended(group)`` (a plugin offers
-  them through the ``distrun_node_services`` hook), told of each start and end.
+  them through the ``distrun_node_services`` hook), told of each start and end;
+- where each rank is: a folder (:attr:`WorkerGroup.positions`) in which every rank keeps its
+  position record and its stack dumps (:mod:`distrun._diagnose`), read by the stall watcher
+  and ``distrun stacks``.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from distrun._config.run_config import RunConfig
+from distrun._diagnose.position import POSITIONS_ENV
 from distrun._launch.exits import ExitWatch, exit_code
 from distrun._launch.outputs import WorkerOutputs, worker_outputs
 from distrun._launch.ranks import NodeRanks
@@ -143,6 +150,10 @@ class WorkerGroup:
         #: when a forwarded stop (SIGINT, SIGTERM) began; its grace is counted from here
         self.stopping_since: float | None = None
         self._told_end = False  # the services heard of this start's end
+        #: the folder of the ranks' position records and stack dumps (made at the first start)
+        self.positions: str | None = None
+        #: why the group ended its workers itself (a stall's summary; None: it did not)
+        self.aborted: str | None = None
 
     @staticmethod
     def spares(command: Sequence[str], nproc: int, *, environ: Mapping[str, str] | None = None,
@@ -166,15 +177,25 @@ class WorkerGroup:
         """The environment local rank ``local_rank`` starts with."""
         rank = self.ranks.rank_of(local_rank)
         extra = self.extra_env(rank) if callable(self.extra_env) else self.extra_env
-        return self.ranks.env(local_rank, self.environ, extra,
-                              error_file=self.outputs.error_file(rank),
-                              store_fd=self.store.fileno() if self.store is not None else None)
+        env = self.ranks.env(local_rank, self.environ, extra,
+                             error_file=self.outputs.error_file(rank),
+                             store_fd=self.store.fileno() if self.store is not None else None)
+        if self.positions is not None:
+            env[POSITIONS_ENV] = self.positions
+        return env
 
     def start(self) -> WorkerGroup:
         """Start every rank of the group; the services are told."""
         self.workers = []
         self.stopping_since = None
         self._told_end = False
+        self.aborted = None
+        if self.positions is None:
+            self.positions = _positions_folder()
+        else:  # a restart: the records of the last workers go
+            for path in glob.glob(os.path.join(self.positions, "rank*")):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         if not self.ranks.local_ranks:  # (a scheduler that placed each rank chose for itself)
             warn_oversubscribed(self.ranks.workers_here or self.ranks.nproc)
         try:
@@ -332,6 +353,12 @@ class WorkerGroup:
             w.proc.wait()
         self._ended()
 
+    def abort(self, reason: str) -> None:
+        """End every worker now (SIGKILL: a stuck rank saves nothing), for ``reason`` (said
+        already): the wait returns as for a failure, and :attr:`aborted` says why."""
+        self.aborted = reason
+        self.signal_all(signal.SIGKILL)
+
     def report(self, code: int, failed: Worker, where: str = "") -> None:
         """One line naming the failed rank, its exit code and its last line (see
         :func:`~distrun._launch.relay.report_failure`)."""
@@ -342,6 +369,9 @@ class WorkerGroup:
         """Kill what still runs, reap it, and remove the group's temporary files."""
         self.stop(grace=0.0, signum=signal.SIGKILL)
         self.outputs.cleanup()
+        if self.positions is not None:
+            shutil.rmtree(self.positions, ignore_errors=True)
+            self.positions = None
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -383,6 +413,22 @@ def wait_with_signals(group: WorkerGroup) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if group.aborted is not None:
+        return 1  # the stall watcher named the cause already: the exit of a timed-out run
     if failed is not None and not received:
         group.report(code, failed)
     return code
+
+
+_POSITIONS_PREFIX = "distrun-positions-"
+
+
+def _positions_folder() -> str:
+    """A new folder for a group's position records, ``distrun-positions-<launcher pid>-*``
+    in the temporary folder. Those of launchers that are gone (kill -9) are removed first."""
+    base = tempfile.gettempdir()
+    for path in glob.glob(os.path.join(base, _POSITIONS_PREFIX + "*")):
+        pid = os.path.basename(path)[len(_POSITIONS_PREFIX):].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_POSITIONS_PREFIX}{os.getpid()}-")

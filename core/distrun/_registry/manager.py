@@ -39,6 +39,7 @@ BUILTIN_PLUGINS = {
     "csv_logger": "distrun._loggers.csv_file",
     "runfolder": "distrun._launch.run_folder",
     "plot": "distrun._cli.plot_cmd",
+    "stacks": "distrun._cli.stacks_cmd",
     "config": "distrun._cli.config_cmd",
     "scaffold": "distrun._cli.plugin_new",
 }

@@ -98,10 +98,17 @@ def distrun_optimizer_step(run):
 
 @hookimpl
 def distrun_run_validation(run):
+    from distrun._diagnose.position import Phase, marks
     from distrun._train.limits import SANITY_BATCHES
     from distrun._train.stages import evaluate
 
-    return evaluate(run, "validate", limit=run.stash.get(SANITY_BATCHES))
+    rec = marks()
+    was = rec.current
+    rec.phase(Phase.VALIDATION)  # (the sanity pass's too)
+    try:
+        return evaluate(run, "validate", limit=run.stash.get(SANITY_BATCHES))
+    finally:
+        rec.phase(was)
 
 
 # -- state ------------------------------------------------------------------------------------

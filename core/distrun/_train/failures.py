@@ -139,9 +139,10 @@ def _timeout_message(exc: BaseException, run: Run) -> str:
                 "loading data) or never started; see the other ranks' output, or change the "
                 "limit with --timeout SECONDS or DISTRUN_TIMEOUT")
     return (f"rank {run.rank}: a collective timed out after {run.config.timeout:g}s: the ranks "
-            "are out of step (most often uneven inputs: one rank ran out of batches while the "
-            "others wait for it; pip install distrun-join, or give every rank the same number "
-            "of batches); change the limit with --timeout SECONDS or DISTRUN_TIMEOUT")
+            "are out of step (a rank stopped calling collectives: stuck, or out of batches, "
+            "which pip install distrun-join handles; under `distrun run` its stall line names "
+            "the rank first, see --stall-timeout); change the limit with --timeout SECONDS or "
+            "DISTRUN_TIMEOUT")
 
 
 # -- lost connection: gloo's connection to a peer broke ----------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from distrun._spec.keys import STEP_SYNC
 from distrun._spec.stash import StashKey
 from distrun._train.metrics import Accumulator
 from distrun._train.run import Run
@@ -113,6 +114,12 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
             metrics["lr"] = lr
         if compile_s is not None:
             metrics["compile_s"] = compile_s
+        sync = run.stash.get(STEP_SYNC)
+        spread = sync.stragglers.spread if sync is not None else None
+        if spread is not None:  # the ranks' compute time per step (distrun._diagnose.straggler)
+            metrics.update(slowest_rank=float(spread.slowest_rank),
+                           slowest_compute_ms=spread.slowest * 1e3,
+                           fastest_compute_ms=spread.fastest * 1e3)
         if summed.numel() > 3:
             metrics.update(logged.unpack(summed[3:]))
         run.metrics.update(metrics)

@@ -18,6 +18,7 @@ from typing import Any, cast
 import pluggy
 import torch
 
+from distrun._diagnose.position import Phase, marks
 from distrun._registry.collect import choose_strategy, collect_strategies
 from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import COMPILE_TIME, UNEVEN_EPOCH
@@ -257,6 +258,8 @@ def epoch_loop(run: Run, epoch: int) -> int:
     sched_step = per_step[0].scheduler.step if len(per_step) == 1 and per_step[0].frequency == 1 \
         and not per_step[0].plateau else None
     target, batches = epoch_start(run, epoch, model)
+    rec = marks()
+    mark = rec.phase
     with logging_to(target):
         micro_in_step = 0
         for batch, last in batches:
@@ -265,10 +268,12 @@ def epoch_loop(run: Run, epoch: int) -> int:
             boundary = micro_in_step == accum or last
             ctx = models.no_sync(st, model) if not boundary else _NULL
             with ctx:
+                mark(Phase.FORWARD)
                 loss = training_step(run=run, batch=batch)
                 if not isinstance(loss, torch.Tensor) and isinstance(loss, Mapping):
                     loss = _loss_of(run, loss, target)  # {"loss": ..., values to log}
                 _check_loss(run, loss, epoch)
+                mark(Phase.BACKWARD)
                 backward(run=run, loss=loss / accum if accum > 1 else loss)
             if run.sampler is not None:
                 run.sampler.advance()
@@ -280,6 +285,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
             if not boundary:
                 continue
             micro_in_step = 0
+            mark(Phase.OPTIMIZER)
             optimizer_step(run=run)
             run.optimizer.zero_grad(set_to_none=True)
             prog = run.progress
@@ -289,6 +295,7 @@ def epoch_loop(run: Run, epoch: int) -> int:
                 step_schedulers(per_step, "step", prog.step + 1, run.metrics)
             prog.step += 1
             prog.step_started = time.monotonic()
+            rec.step_done(prog.step)
             if step_end is not _nothing:
                 step_end(run=run, step=prog.step, metrics={"loss": loss.detach(), "epoch": epoch})
             if step_boundary(run, sync, val_every, model):
@@ -304,12 +311,26 @@ def epoch_start(run: Run, epoch: int, model: torch.nn.Module) -> tuple[LogTarget
     cursor = run.stash.get(STREAM)
     batches = cursor.with_last() if cursor is not None else _with_last(run.train_loader)
     model.train()
-    return target, batches
+    return target, _fetching(iter(batches), marks().phase)
+
+
+def _fetching(batches: Iterator[Any], mark: Callable[[Phase], None]) -> Iterator[Any]:
+    """``batches``, the rank's position marked as loading data while each is fetched, and
+    at its epoch's end once there are none."""
+    while True:
+        mark(Phase.DATA)
+        try:
+            item = next(batches)
+        except StopIteration:
+            mark(Phase.EPOCH_END)
+            return
+        yield item
 
 
 def step_boundary(run: Run, sync: Any, val_every: int, model: torch.nn.Module) -> bool:
     """After an optimizer step (both epoch loops): the agreed stop (at log steps also the
     metrics' reduction and logging), the validation cadence, ``max_steps``. True: stop."""
+    marks().phase(Phase.BOUNDARY)
     _stop_agreed(run, sync.boundary())
     if val_every and run.progress.step % val_every == 0 and run.val_loader is not None:
         validate(run)

@@ -117,6 +117,7 @@ def _null() -> Any:
 def manual_epoch_loop(run: Any, epoch: int) -> int:
     """The core's ``distrun_run_epoch`` under manual optimization: one training step per
     batch, the task's ``training_step`` doing backward and the optimizer steps."""
+    from distrun._diagnose.position import Phase, marks
     from distrun._spec.keys import UNEVEN_EPOCH
     from distrun._train.log_window import _WINDOW
     from distrun._train.loop import _check_loss, _loss_of, epoch_start, step_boundary
@@ -129,9 +130,11 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
     val_every = 0 if run.stash.get(UNEVEN_EPOCH) else cfg.val_every_n_steps
     local_batch = run.sampler.local_batch if run.sampler is not None else None
     target, batches = epoch_start(run, epoch, model)
+    rec = marks()
     with logging_to(target):
         for batch, _last in batches:
             batch = to_device(batch, st.device)
+            rec.phase(Phase.FORWARD)  # the task's step: forward, backward and optimizer
             out = hook.distrun_training_step(run=run, batch=batch)
             if isinstance(out, Mapping) and "loss" in out:
                 out = _loss_of(run, out, target)  # the loss; the other values are logged
@@ -149,6 +152,7 @@ def manual_epoch_loop(run: Any, epoch: int) -> int:
             window.samples += local_batch if local_batch is not None else batch_len(batch)
             prog.step += 1
             prog.step_started = time.monotonic()
+            rec.step_done(prog.step)
             metrics: dict[str, Any] = {"epoch": epoch}
             if out is not None:
                 metrics["loss"] = out.detach()

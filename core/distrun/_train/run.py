@@ -9,6 +9,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distrun._diagnose.position import Phase, marks
 from distrun._launch.generation import read_generation
 from distrun._spec.errors import EXIT_REQUEUE
 from distrun._spec.stash import Stash
@@ -281,7 +282,13 @@ class Run:
 
     def save_checkpoint(self, reason: str = "user") -> str | None:
         """Write a checkpoint now (every rank must call this together); returns its path."""
-        path = self.hook.distrun_save_checkpoint(run=self, reason=reason)
+        rec = marks()
+        was = rec.current
+        rec.phase(Phase.CHECKPOINT)
+        try:
+            path = self.hook.distrun_save_checkpoint(run=self, reason=reason)
+        finally:
+            rec.phase(was)
         if path is None and reason == "user":
             log.warning("no checkpoint plugin is installed: pip install distrun-safetensors")
         return path

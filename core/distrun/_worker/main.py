@@ -227,9 +227,36 @@ def _prepare_backend() -> None:
         raise SystemExit(exc.exit_code) from None
 
 
+def _record_position(script: bool) -> None:
+    """Keep this rank's position where its launcher reads it, dump its stacks on request,
+    and mark its collectives (:mod:`distrun._diagnose`); nothing when the launcher is not
+    distrun's (no positions folder named) or ``--stall-timeout 0`` turned it off."""
+    import json
+
+    from distrun._config.run_config import CONFIG_ENV
+    from distrun._diagnose.position import Phase, start_recorder
+
+    try:  # --stall-timeout 0: no watcher, and nothing kept for it
+        if json.loads(os.environ.get(CONFIG_ENV) or "{}").get("values", {}).get(
+                "stall_timeout") == 0:
+            return
+    except (ValueError, AttributeError):
+        pass
+    rec = start_recorder(int(os.environ.get("RANK", "0") or 0))
+    if rec is None:
+        return
+    from distrun._diagnose.collectives import watch_collectives
+    from distrun._diagnose.stacks import arm
+
+    arm(os.path.dirname(rec.path), rec.rank, rec)
+    watch_collectives(rec)
+    rec.phase(Phase.SCRIPT if script else Phase.SETUP)
+
+
 def _run(argv: list[str]) -> None:
     die_with_launcher()
     host_launcher_store()  # rank 0: the store on the socket the launcher bound
+    _record_position(script=argv[0] in ("--script", "--module"))
     # Registered first, so it runs last: after the target's own exit handlers.
     atexit.register(destroy_leftover_group)
     if argv[0] in ("--script", "--module"):

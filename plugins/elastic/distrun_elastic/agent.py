@@ -258,7 +258,9 @@ class DistrunAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
             elif self._remaining_restarts > 0:
                 self.restarts += 1
-                _say(f"rank {rank} exited with code {exit_code(code)}; restarting the workers"
+                why = "the ranks stalled (said above)" if self.group is not None and \
+                    self.group.aborted else f"rank {rank} exited with code {exit_code(code)}"
+                _say(f"{why}; restarting the workers"
                      f"{self._resumes} (restart {self.restarts} of "
                      f"{worker_group.spec.max_restarts})")
         return result

@@ -316,6 +316,8 @@ def _report(agent: DistrunAgent, result: RunResult) -> int:
         return 1
     if agent.restarts:
         _say(f"no restarts left ({agent.restarts} used)")
+    if agent.group is not None and agent.group.aborted:
+        return 1  # the ranks stalled: the stall line said who; exit as a timeout would
     if tail is not None:
         agent.group.report(code, tail)  # type: ignore[union-attr]
     else:

@@ -22,7 +22,8 @@ from distrun.testing import run_cli
 ZYGOTE = "distrun._worker.zygote"
 #: what differs between two launches whatever starts the workers: ports, ids, file paths
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-              "DISTRUN_LAUNCHER_PID", "DISTRUN_CONFIG", "DISTRUN_RUN_KEY", "DUMP_DIR"}
+              "DISTRUN_LAUNCHER_PID", "DISTRUN_CONFIG", "DISTRUN_RUN_KEY", "DUMP_DIR",
+              "DISTRUN_POSITIONS"}
 
 
 def _dumps(folder: Path) -> dict[str, dict]:

@@ -1,0 +1,199 @@
+"""From every rank's position, state and stack to one line that names the odd one out.
+
+The ranks of a synchronous job wait for the slowest: when the job stops moving, the ranks
+that got least far (fewest steps, an earlier phase of the step, fewer collectives of the
+world entered) are the cause, and the others wait for them. Before that rule: a rank that is
+stopped (SIGSTOP) or gone is named as such, whatever its last position said; ranks that all
+wait in a collective of the same number but of different kinds called different collectives
+(one skipped one); a rank at its epoch's end while others wait in a collective ran out of
+batches (uneven inputs).
+
+Torch-free: the launcher and ``distrun stacks`` compose it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from dataclasses import dataclass
+
+from distrun._diagnose.position import COLLECTIVES, PHASE_WORDS, Phase, Position, order
+from distrun._diagnose.stacks import Stacks
+
+__all__ = ["RankView", "summarize", "write_evidence"]
+
+
+@dataclass
+class RankView:
+    """What is known of one rank at the diagnosis."""
+
+    rank: int
+    host: str
+    pid: int
+    state: str  # running, stopped, zombie, gone, or "exited N"
+    position: Position | None
+    stacks: Stacks | None = None
+
+    def who(self) -> str:
+        return f"rank {self.rank} (host {self.host}, pid {self.pid})"
+
+    def doing(self, now: float) -> str:
+        """Where it is: ``in training_step for 61 s at hang.py:17 (time.sleep(100))``."""
+        pos = self.position
+        if self.state == "stopped":
+            return "is stopped (SIGSTOP or a debugger): it runs nothing until SIGCONT"
+        if self.state in ("gone", "zombie") or self.state.startswith("exited"):
+            return f"has {self.state if self.state.startswith('exited') else 'exited'}"
+        if pos is None:
+            return "has no position yet (it has not started distrun's worker)"
+        where = ""
+        frame = self.stacks.user_frame() if self.stacks is not None else None
+        if frame is not None:
+            where = f" at {frame.where()}"
+        if pos.kind:
+            phase = "" if pos.phase == Phase.SCRIPT else f" ({PHASE_WORDS[pos.phase]})"
+            return f"waits in {pos.kind} #{pos.seq}{phase} for {_ago(now - pos.coll_since)}{where}"
+        if pos.phase == Phase.SCRIPT:
+            after = f" since collective #{pos.seq}" if pos.seq else ""
+            return f"runs the script{after} for {_ago(now - pos.since)}{where}"
+        return f"{PHASE_WORDS[pos.phase]} for {_ago(now - pos.since)}{where}"
+
+
+def _ago(seconds: float) -> str:
+    return f"{max(0.0, seconds):.0f} s"
+
+
+_PLURAL = {"waits": "wait", "runs": "run", "is": "are", "has": "have"}
+
+
+def _ranks(views: list[RankView]) -> str:
+    nums = sorted(v.rank for v in views)
+    return ("rank " if len(nums) == 1 else "ranks ") + ",".join(map(str, nums))
+
+
+def _step_of(pos: Position) -> int:
+    """The step a rank is in: the one it finished while it is in that step's end (its
+    hooks, a checkpoint, the boundary, validation), else the next."""
+    after = pos.step > 0 and order(pos.phase) < order(Phase.DATA)
+    return pos.step if after else pos.step + 1
+
+
+def summarize(views: list[RankView], now: float, evidence: str = "",
+              title: str = "stall") -> str:
+    """One line: the culprits first, then what the others do, then where the stacks are.
+    ``title``: ``stall`` (the watcher's), else a look at a run that may be moving."""
+    views = sorted(views, key=lambda v: v.rank)
+    placed = [v.position for v in views if v.position is not None]
+    head = title
+    if placed and all(p.phase == Phase.SCRIPT for p in placed):
+        head = f"{title} after collective #{min(p.seq for p in placed)}"
+    elif placed:
+        head = f"{title} at step {min(_step_of(p) for p in placed)}"
+    culprits, why = _culprits(views, stalled=title == "stall")
+    others = [v for v in views if v not in culprits]
+    parts = [f"{v.who()} {v.doing(now)}" for v in culprits]
+    if why:
+        parts.append(why)
+    for _, group in _same_doing(others, now):
+        doing = group[0].doing(now)
+        if len(group) > 1:  # "rank 0 waits", "ranks 0,2 wait"
+            verb, _, rest = doing.partition(" ")
+            doing = f"{_PLURAL.get(verb, verb)} {rest}"
+        parts.append(f"{_ranks(group)} {doing}")
+    tail = f"; stacks: {evidence}" if evidence else ""
+    return f"{head}: " + "; ".join(parts) + tail
+
+
+def _culprits(views: list[RankView], stalled: bool) -> tuple[list[RankView], str]:
+    """The ranks that hold the others up, and a sentence on why when the rule is not
+    simply "least far"."""
+    dead = [v for v in views if v.state != "running"]
+    if dead:
+        return dead, ""
+    if not any(v.position is not None for v in views):
+        return [], ""
+    unplaced = [v for v in views if v.position is None]
+    if unplaced:
+        return unplaced, ""
+    pos = {v.rank: v.position for v in views if v.position is not None}
+    odd = _diverged(views, pos)
+    if odd is not None:
+        return odd
+    ended = [v for v in views if pos[v.rank].phase == Phase.EPOCH_END]
+    if ended and any(pos[v.rank].phase in _TRAINING for v in views if v not in ended):
+        return ended, ("it ran out of batches while the others still train (uneven inputs: "
+                       "pip install distrun-join, or give every rank the same number of "
+                       "batches)")
+    least = min(p.key() for p in pos.values())
+    behind = [v for v in views if pos[v.rank].key() == least]
+    if len(behind) == len(views):
+        return [], ("no rank is behind the others: all are at the same place (a peer on "
+                    "another node, the network, or a hang every rank shares)") if stalled \
+            else ""
+    return behind, ""
+
+
+#: the phases of a step: a rank in one still expects the others' collectives of the epoch
+_TRAINING = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.STEP_END,
+             Phase.BOUNDARY, Phase.CHECKPOINT)
+
+
+def _diverged(views: list[RankView], pos: dict[int, Position],
+              ) -> tuple[list[RankView], str] | None:
+    """Ranks whose world collectives stopped matching the others': at the first number
+    where the kinds differ (each rank remembers its last 32), the kind fewer ranks called
+    marks the culprits (with two ranks, or a tie, nobody is named: the lines tell)."""
+    if len(pos) < 2:
+        return None
+    low = max(max(p.seq for p in pos.values()) - 31, 1)
+    for seq in range(low, min(p.seq for p in pos.values()) + 1):
+        kinds = collections.Counter(p.kind_of(seq) for p in pos.values())
+        if None in kinds or len(kinds) < 2:
+            continue
+        by_kind = {k: [v for v in views if pos[v.rank].kind_of(seq) == k] for k in kinds}
+        said = ", ".join(f"{_ranks(group)} {COLLECTIVES[k - 1] if k else '?'}"
+                         for k, group in by_kind.items())
+        why = f"the ranks called different collectives as #{seq} ({said}): one skipped or " \
+              "added one"
+        counts = sorted(kinds.values())
+        if counts[0] < counts[1]:
+            return by_kind[min(kinds, key=lambda k: kinds[k])], why
+        return [], why + " (compare their lines)"
+    return None
+
+
+def _same_doing(views: list[RankView], now: float) -> list[tuple[str, list[RankView]]]:
+    """The ranks grouped by what they do (times within a second count as the same)."""
+    groups: dict[str, list[RankView]] = {}
+    for v in views:
+        groups.setdefault(_bucket(v), []).append(v)
+    return list(groups.items())
+
+
+def _bucket(v: RankView) -> str:
+    pos = v.position
+    if pos is None or v.state != "running":
+        return v.state
+    return f"{pos.step}/{pos.phase}/{pos.kind}/{pos.seq}"
+
+
+def write_evidence(folder: str, views: list[RankView], summary: str, now: float) -> None:
+    """``summary.txt``, and per rank ``rank<N>.txt``: its state, position and every thread's
+    stack as the rank dumped it."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "summary.txt"), "w") as fh:
+        fh.write(summary + "\n")
+    for v in views:
+        pos = v.position
+        info = {"rank": v.rank, "host": v.host, "pid": v.pid, "state": v.state}
+        if pos is not None:
+            info.update(step=pos.step, phase=pos.phase.name.lower(),
+                        phase_seconds=round(now - pos.since, 3), collective=pos.kind,
+                        collective_number=pos.seq, seconds_per_step=round(pos.step_seconds, 6))
+            if pos.kind:
+                info["collective_seconds"] = round(now - pos.coll_since, 3)
+        with open(os.path.join(folder, f"rank{v.rank}.txt"), "w") as fh:
+            fh.write(f"{v.who()} {v.doing(now)}\n{json.dumps(info)}\n\n")
+            fh.write(v.stacks.text if v.stacks is not None else
+                     "(no stacks: the rank did not answer; see its state above)\n")

@@ -1,0 +1,192 @@
+"""The stall watcher: a node service that names the rank a stuck run waits for.
+
+Beside every worker group (one per node, under every launcher that starts groups: local,
+elastic, distrun-ft) a thread of the launcher reads its ranks' position records once a second.
+Once some rank finished a step or a collective, a run in which no rank moved for
+``--stall-timeout`` seconds is stalled: the watcher asks every rank for its stacks, writes
+them with each rank's state and position to ``RUN/stall-N/`` and prints one line that names
+the culprit (:mod:`distrun._diagnose.summary`). Then it ends the workers (``--on-stall
+stop``: the run fails with exit 1 as a collective timeout would, and ``--max-restarts``
+restarts it from its checkpoint) or leaves them (``wait``: the collective timeout decides).
+
+The default limit follows the run: max(60 s, 20 steps at the slowest rank's pace), and stays
+under ``--timeout`` (a collective's own limit would end the run first, with no diagnosis).
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from distrun._diagnose.position import Position, read_position
+from distrun._diagnose.stacks import dump_stacks, process_state
+from distrun._diagnose.summary import RankView, summarize, write_evidence
+
+__all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "stall_limit"]
+
+#: the default limit: at least this many seconds, and this many steps of the slowest rank
+MIN_STALL = 60.0
+STEPS = 20
+#: the default limit stays under this share of --timeout
+UNDER_TIMEOUT = 0.8
+
+
+def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
+    """The seconds without progress that make a stall (0: never)."""
+    if configured >= 0:
+        return configured
+    step = max((p.step_seconds for p in positions), default=0.0)
+    return min(max(MIN_STALL, STEPS * step), UNDER_TIMEOUT * timeout)
+
+
+def evidence_folder(config: Any, base: str = "stall") -> str:
+    """A new ``stall-N`` folder's path: in the run folder, else the log folder, else the
+    temporary folder (a plain script without ``--name`` has no run folder)."""
+    parent = getattr(config, "run_dir", "") or getattr(config, "log_dir", "")
+    prefix = base
+    if not parent:
+        parent, prefix = tempfile.gettempdir(), f"distrun-{base}-{os.getpid()}"
+    n = 1 + sum(1 for _ in glob.glob(os.path.join(parent, f"{prefix}-*")))
+    while os.path.exists(os.path.join(parent, f"{prefix}-{n}")):
+        n += 1
+    return os.path.join(parent, f"{prefix}-{n}")
+
+
+def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]], host: str,
+                   now: float | None = None) -> list[RankView]:
+    """Every rank of one node, as :class:`RankView`: ``ranks`` maps a rank to (pid, exit code
+    or None while it runs); the positions and stacks come from ``folder``."""
+    views: list[RankView] = []
+    targets: dict[int, tuple[int, str]] = {}
+    for rank, (pid, code) in sorted(ranks.items()):
+        pos = read_position(os.path.join(folder, f"rank{rank}"))
+        state = f"exited {code}" if code is not None else process_state(pid)
+        if pos is not None and pos.pid != pid and state == "running":
+            pid = pos.pid  # a launcher that starts the rank through a wrapper process
+            state = process_state(pid)
+        views.append(RankView(rank, host, pid, state, pos))
+        if state == "running" and pos is not None and pos.armed:
+            targets[rank] = (pid, os.path.join(folder, f"rank{rank}.stacks"))
+    stacks = dump_stacks(targets) if targets else {}
+    for v in views:
+        v.stacks = stacks.get(v.rank)
+        if v.rank in targets and v.stacks is None and process_state(v.pid) == "stopped":
+            v.state = "stopped"
+    return views
+
+
+#: what a positions folder says of its run, for ``distrun stacks RUN``
+RUN_FILE = "run.json"
+
+
+def _describe_run(folder: str, config: Any) -> None:
+    run_dir = getattr(config, "run_dir", "")
+    info = {"run_dir": os.path.abspath(run_dir) if run_dir else "",
+            "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", "")}
+    with contextlib.suppress(OSError), open(os.path.join(folder, RUN_FILE), "w") as fh:
+        json.dump(info, fh)
+
+
+def live_runs() -> list[tuple[str, dict[str, str]]]:
+    """The worker groups alive on this host: (positions folder, what :data:`RUN_FILE`
+    says of the run), those whose launcher is alive."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(tempfile.gettempdir(), "distrun-positions-*"))):
+        pid = os.path.basename(path)[len("distrun-positions-"):].split("-")[0]
+        if not pid.isdigit() or not os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            with open(os.path.join(path, RUN_FILE)) as fh:
+                info = json.load(fh)
+        except (OSError, ValueError):
+            info = {}
+        out.append((path, info))
+    return out
+
+
+class StallWatcher:
+    """A :class:`~distrun.plugin.NodeService`: watches one group's ranks while they run."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.configured = float(getattr(config, "stall_timeout", -1.0))
+        self.timeout = float(getattr(config, "timeout", 300.0))
+        self.wait_on = getattr(config, "on_stall", "stop") == "wait"
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: the last stall's line (None: none so far)
+        self.summary: str | None = None
+
+    def started(self, group: Any) -> None:
+        if not getattr(group, "positions", None):
+            return
+        _describe_run(group.positions, self.config)
+        if self.configured == 0:
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(group, self._stop),
+                                        name="distrun-stall-watcher", daemon=True)
+        self._thread.start()
+
+    def ended(self, group: Any) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+        self._thread = None
+
+    def _watch(self, group: Any, stop: threading.Event) -> None:
+        last: dict[int, Position] = {}
+        moved_at = time.monotonic()
+        armed = reported = False
+        poll = 1.0 if self.configured < 0 else min(1.0, max(0.05, self.configured / 10))
+        while not stop.wait(poll):
+            positions = {w.rank: p for w in list(group.workers)
+                         if (p := read_position(os.path.join(group.positions,
+                                                             f"rank{w.rank}"))) is not None}
+            now = time.monotonic()
+            if any(p.moved(last.get(r)) for r, p in positions.items()):
+                moved_at, reported = now, False
+            last = positions
+            if not armed:
+                armed = any(p.step > 0 or p.seq > 0 for p in positions.values())
+                moved_at = now
+                continue
+            limit = stall_limit(self.configured, self.timeout, list(positions.values()))
+            if reported or not limit or now - moved_at < limit:
+                continue
+            if all(c is not None for c in group.poll()):
+                return  # every rank ended: the group's own wait reports it
+            reported = True
+            self._stalled(group)
+            if not self.wait_on:
+                return
+
+    def _stalled(self, group: Any) -> None:
+        codes = group.poll()
+        ranks = {w.rank: (w.proc.pid, c) for w, c in zip(group.workers, codes)}
+        views = diagnose_group(group.positions, ranks, self.host)
+        folder = evidence_folder(self.config)
+        now = time.monotonic()
+        line = summarize(views, now, evidence=folder + os.sep)
+        try:
+            write_evidence(folder, views, line, now)
+        except OSError as exc:
+            line = summarize(views, now) + f" (stacks not kept: {exc.strerror})"
+        self.summary = line
+        word = "warning" if self.wait_on else "error"
+        lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()
+        with lock:
+            sys.stderr.write(f"{word}: {line}\n")
+            sys.stderr.flush()
+        if not self.wait_on:
+            group.abort(line)
