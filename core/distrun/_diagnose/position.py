@@ -115,7 +115,11 @@ class Position:
 
 def order(phase: Phase) -> int:
     """A phase's place among those of one step (STARTING and SETUP before all, DONE after)."""
-    return int(Phase.STEP_END) if phase == Phase.CHECKPOINT else int(phase)
+    if phase == Phase.CHECKPOINT:
+        return int(Phase.STEP_END)
+    if phase == Phase.SCRIPT:  # a plain script between its backward and optimizer steps
+        return int(Phase.FORWARD)
+    return int(phase)
 
 
 def read_position(path: str) -> Position | None:

@@ -17,11 +17,12 @@ import collections
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from distrun._diagnose.position import COLLECTIVES, PHASE_WORDS, Phase, Position, order
-from distrun._diagnose.stacks import Stacks
+from distrun._diagnose.stacks import Stacks, parse_stacks
 
-__all__ = ["RankView", "summarize", "write_evidence"]
+__all__ = ["RankView", "report_of", "summarize", "views_of", "write_evidence"]
 
 
 @dataclass
@@ -34,6 +35,15 @@ class RankView:
     state: str  # running, stopped, zombie, gone, or "exited N"
     position: Position | None
     stacks: Stacks | None = None
+    #: the user's line, as the rank's own node read it (a view from another node's report)
+    line: str | None = None
+
+    def where(self) -> str:
+        """`` at hang.py:17 (time.sleep(100))``, or "" when no frame of the user's shows."""
+        if self.line is None:
+            frame = self.stacks.user_frame() if self.stacks is not None else None
+            self.line = frame.where() if frame is not None else ""
+        return f" at {self.line}" if self.line else ""
 
     def who(self) -> str:
         return f"rank {self.rank} (host {self.host}, pid {self.pid})"
@@ -47,10 +57,7 @@ class RankView:
             return f"has {self.state if self.state.startswith('exited') else 'exited'}"
         if pos is None:
             return "has no position yet (it has not started distrun's worker)"
-        where = ""
-        frame = self.stacks.user_frame() if self.stacks is not None else None
-        if frame is not None:
-            where = f" at {frame.where()}"
+        where = self.where()
         if pos.kind:
             phase = "" if pos.phase == Phase.SCRIPT else f" ({PHASE_WORDS[pos.phase]})"
             return f"waits in {pos.kind} #{pos.seq}{phase} for {_ago(now - pos.coll_since)}{where}"
@@ -72,6 +79,10 @@ def _ranks(views: list[RankView]) -> str:
     return ("rank " if len(nums) == 1 else "ranks ") + ",".join(map(str, nums))
 
 
+#: the phases of a plain script's rank (a DDP script's rank waits in backward)
+_SCRIPT = (Phase.SCRIPT, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
 def _step_of(pos: Position) -> int:
     """The step a rank is in: the one it finished while it is in that step's end (its
     hooks, a checkpoint, the boundary, validation), else the next."""
@@ -86,7 +97,7 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
     views = sorted(views, key=lambda v: v.rank)
     placed = [v.position for v in views if v.position is not None]
     head = title
-    if placed and all(p.phase == Phase.SCRIPT for p in placed):
+    if placed and all(p.phase in _SCRIPT for p in placed) and not any(p.step for p in placed):
         head = f"{title} after collective #{min(p.seq for p in placed)}"
     elif placed:
         head = f"{title} at step {min(_step_of(p) for p in placed)}"
@@ -197,3 +208,36 @@ def write_evidence(folder: str, views: list[RankView], summary: str, now: float)
             fh.write(f"{v.who()} {v.doing(now)}\n{json.dumps(info)}\n\n")
             fh.write(v.stacks.text if v.stacks is not None else
                      "(no stacks: the rank did not answer; see its state above)\n")
+
+
+def report_of(views: list[RankView], now: float) -> dict[str, Any]:
+    """One node's views as JSON-able data for the other nodes (times as ages: each host's
+    monotonic clock is its own)."""
+    out = []
+    for v in views:
+        item: dict[str, Any] = {"rank": v.rank, "host": v.host, "pid": v.pid, "state": v.state,
+                                "line": v.where()[len(" at "):],
+                                "stacks": v.stacks.text if v.stacks is not None else None}
+        pos = v.position
+        if pos is not None:
+            item["position"] = {
+                "pid": pos.pid, "armed": pos.armed, "phase": int(pos.phase),
+                "age": now - pos.since, "kind": pos.kind, "seq": pos.seq,
+                "coll_age": now - pos.coll_since, "step": pos.step,
+                "step_seconds": pos.step_seconds, "ring": pos.ring.hex()}
+        out.append(item)
+    return {"views": out}
+
+
+def views_of(report: dict[str, Any], now: float) -> list[RankView]:
+    """The views another node's :func:`report_of` sent, on this host's clock."""
+    views = []
+    for item in report.get("views", []):
+        p = item.get("position")
+        pos = None if p is None else Position(
+            item["rank"], p["pid"], p["armed"], Phase(p["phase"]), now - p["age"], p["kind"],
+            p["seq"], now - p["coll_age"], p["step"], p["step_seconds"], bytes.fromhex(p["ring"]))
+        stacks = parse_stacks(item["stacks"]) if item.get("stacks") else None
+        views.append(RankView(item["rank"], item["host"], item["pid"], item["state"], pos,
+                              stacks, item.get("line") or ""))
+    return views

@@ -29,7 +29,7 @@ from typing import Any
 
 from distrun._diagnose.position import Position, read_position
 from distrun._diagnose.stacks import dump_stacks, process_state
-from distrun._diagnose.summary import RankView, summarize, write_evidence
+from distrun._diagnose.summary import RankView, report_of, summarize, views_of, write_evidence
 
 __all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "stall_limit"]
 
@@ -38,6 +38,8 @@ MIN_STALL = 60.0
 STEPS = 20
 #: the default limit stays under this share of --timeout
 UNDER_TIMEOUT = 0.8
+#: seconds a rank collects the other nodes' reports (:mod:`distrun._diagnose.exchange`)
+COLLECT = 5.0
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -48,13 +50,17 @@ def stall_limit(configured: float, timeout: float, positions: list[Position]) ->
     return min(max(MIN_STALL, STEPS * step), UNDER_TIMEOUT * timeout)
 
 
-def evidence_folder(config: Any, base: str = "stall") -> str:
+def evidence_folder(config: Any, base: str = "stall", node: int | None = None,
+                    count: int = 0) -> str:
     """A new ``stall-N`` folder's path: in the run folder, else the log folder, else the
-    temporary folder (a plain script without ``--name`` has no run folder)."""
+    temporary folder (a plain script without ``--name`` has no run folder). One node of
+    several: ``stall-<its count>-node<K>`` (the nodes may share the run folder)."""
     parent = getattr(config, "run_dir", "") or getattr(config, "log_dir", "")
     prefix = base
     if not parent:
         parent, prefix = tempfile.gettempdir(), f"distrun-{base}-{os.getpid()}"
+    if node is not None:
+        return os.path.join(parent, f"{prefix}-{count}-node{node}")
     n = 1 + sum(1 for _ in glob.glob(os.path.join(parent, f"{prefix}-*")))
     while os.path.exists(os.path.join(parent, f"{prefix}-{n}")):
         n += 1
@@ -126,6 +132,7 @@ class StallWatcher:
         self._thread: threading.Thread | None = None
         #: the last stall's line (None: none so far)
         self.summary: str | None = None
+        self.count = 0  # stalls so far: the key of each one's reports across nodes
 
     def started(self, group: Any) -> None:
         if not getattr(group, "positions", None):
@@ -143,6 +150,39 @@ class StallWatcher:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         self._thread = None
+
+    def _across_nodes(self, group: Any, views: list[RankView], nnodes: int) -> list[RankView]:
+        """Every node's views: this node's report handed to its ranks, which share it
+        through the run's store (:mod:`distrun._diagnose.exchange`); this node's alone when
+        no rank answers in time."""
+        key = str(self.count)
+        folder = group.positions
+        with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
+            json.dump(report_of(views, time.monotonic()), fh)
+        for w in group.workers:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(folder, f"rank{w.rank}.ask"),
+                             os.O_WRONLY | os.O_NONBLOCK)
+                try:
+                    os.write(fd, f"{key}\n".encode())
+                finally:
+                    os.close(fd)
+        path = os.path.join(folder, f"reports-{key}.json")
+        deadline = time.monotonic() + COLLECT + 3.0
+        reports: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                with open(path) as fh:
+                    reports = json.load(fh)
+                if len(reports) >= nnodes:
+                    break
+            time.sleep(0.1)
+        mine = {v.rank for v in views}
+        now = time.monotonic()
+        others = [v for node, report in sorted(reports.items())
+                  if int(node) != group.ranks.node_rank for v in views_of(report, now)
+                  if v.rank not in mine]
+        return sorted(views + others, key=lambda v: v.rank)
 
     def _watch(self, group: Any, stop: threading.Event) -> None:
         last: dict[int, Position] = {}
@@ -175,7 +215,12 @@ class StallWatcher:
         codes = group.poll()
         ranks = {w.rank: (w.proc.pid, c) for w, c in zip(group.workers, codes)}
         views = diagnose_group(group.positions, ranks, self.host)
-        folder = evidence_folder(self.config)
+        self.count += 1
+        nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
+        if nnodes > 1:
+            views = self._across_nodes(group, views, nnodes)
+        folder = evidence_folder(self.config, node=group.ranks.node_rank if nnodes > 1 else None,
+                                 count=self.count)
         now = time.monotonic()
         line = summarize(views, now, evidence=folder + os.sep)
         try:

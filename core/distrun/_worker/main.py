@@ -245,11 +245,14 @@ def _record_position(script: bool) -> None:
     rec = start_recorder(int(os.environ.get("RANK", "0") or 0))
     if rec is None:
         return
-    from distrun._diagnose.collectives import watch_collectives
     from distrun._diagnose.stacks import arm
+    from distrun._diagnose.torch_calls import watch_collectives
 
     arm(os.path.dirname(rec.path), rec.rank, rec)
-    watch_collectives(rec)
+    watch_collectives(rec, script_steps=script)
+    from distrun._diagnose.exchange import serve_exchange
+
+    serve_exchange(os.path.dirname(rec.path), rec.rank)  # (several nodes only)
     rec.phase(Phase.SCRIPT if script else Phase.SETUP)
 
 

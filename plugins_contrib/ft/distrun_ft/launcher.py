@@ -196,6 +196,12 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
     else:
         lighthouse_proc, lighthouse = _start_lighthouse(config)
     first = int(FtOptions.of(config).ft_first_replica)
+    if "stall_timeout" not in config.sources:
+        # A group whose peer group hangs waits in torchft's quorum up to its own timeout, then
+        # goes on without it: the stall watcher of each group must not end it sooner. Its
+        # limit sits between torchft's bound and --timeout.
+        t = timeouts(config)
+        config = config.with_values(stall_timeout=max(0.8 * t.group, (t.quorum + t.group) / 2))
     services = config.node_services()  # told of every group's starts and ends
     groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()
