@@ -68,6 +68,18 @@ def test_a_rank_stuck_in_its_training_step_is_named_with_its_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "pp"])
+def test_a_rank_stuck_under_another_strategy_is_named_the_same_way(tmp_path, strategy):
+    result = _task_run(tmp_path, "step", "--strategy", strategy)
+    line = _stall(result, tmp_path, tmp_path / "runs" / "s" / "stall-1")
+    m = re.search(r"stall at step (\d+): rank 1 \(host [^,]+, pid \d+\) in training_step for "
+                  r"\d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\); rank 0 ", line)
+    assert m, line
+    # (pp calls training_step once per micro-batch: its 20th call is in step 3)
+    assert m.group(1) == ("3" if strategy == "pp" else "20"), line
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("part", "phase"), [
     ("data", "loading data"), ("validation", "in validation"),
     ("checkpoint", "saving a checkpoint")])

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["COLLECTIVES", "POSITIONS_ENV", "Phase", "Position", "Recorder", "read_position",
+__all__ = ["COLLECTIVES", "POINT_TO_POINT", "POSITIONS_ENV", "Phase", "Position", "Recorder", "read_position",
            "recorder"]
 
 #: the folder where each rank of this node keeps its record (``rank<N>``), set by the group
@@ -79,7 +79,13 @@ COLLECTIVES = (
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather",
     "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
     "scatter_object_list", "send", "recv", "monitored_barrier", "batch_isend_irecv",
-    "process group start")
+    "process group start", "all_gather_single", "reduce_scatter_single", "all_gather_coalesced",
+    "all_reduce_coalesced", "send_object_list", "recv_object_list")
+# (not isend and irecv: torch's P2POp checks that its op *is* torch's own isend or irecv)
+#: point-to-point operations: one rank's send is another's recv, and a pipeline stage has its
+#: own count of them, so they are marked but not numbered
+POINT_TO_POINT = frozenset({"send", "recv", "batch_isend_irecv", "send_object_list",
+                            "recv_object_list"})
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-__all__ = ["DUMP_SIGNAL", "Frame", "Stacks", "arm", "dump_stacks", "parse_stacks",
-           "process_state"]
+__all__ = ["DUMP_SIGNAL", "Frame", "Stacks", "arm", "dump_stacks", "parse_stacks"]
 
 #: the signal a rank dumps its stacks on
 DUMP_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -47,17 +46,6 @@ def arm(folder: str, rank: int, rec: Any) -> bool:
 
     rec.set_flag(ARMED)
     return True
-
-
-def process_state(pid: int) -> str:
-    """``running``, ``stopped`` (SIGSTOP, or a debugger's), ``zombie`` or ``gone``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read().decode(errors="replace")
-    except OSError:
-        return "gone"
-    state = stat[stat.rfind(")") + 2:][:1]
-    return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(state, "running")
 
 
 @dataclass(frozen=True)
@@ -86,6 +74,13 @@ class Stacks:
     text: str
     threads: list[list[Frame]] = field(default_factory=list)
     main: int = -1
+
+    def in_user_code(self) -> bool:
+        """Whether the main thread's innermost Python frame is the user's (it runs, or
+        sleeps or reads in, their own code), not inside a library."""
+        if self.main < 0 or not self.threads[self.main]:
+            return False
+        return not _library(self.threads[self.main][0].file)
 
     def user_frame(self) -> Frame | None:
         """The innermost frame of the main thread that is the user's code: not the standard

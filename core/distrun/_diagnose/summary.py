@@ -138,6 +138,16 @@ def _culprits(views: list[RankView], stalled: bool) -> tuple[list[RankView], str
                        "batches)")
     least = min(p.key() for p in pos.values())
     behind = [v for v in views if pos[v.rank].key() == least]
+    waiting = [v for v in behind if pos[v.rank].kind]
+    if waiting and len(waiting) < len(behind):
+        # as far as the others, but those wait in a collective (a pipeline's recv, say) and
+        # these do not: these hold them up
+        return [v for v in behind if not pos[v.rank].kind], ""
+    in_user = [v for v in behind if v.stacks is not None and v.stacks.in_user_code()]
+    if in_user and len(in_user) < len(behind):
+        # as far as the others, none waits in a marked collective, but these run the user's
+        # own code (a sleep, a read) where the others wait inside torch (a pipeline's wait)
+        return in_user, ""
     if len(behind) == len(views):
         return [], ("no rank is behind the others: all are at the same place (a peer on "
                     "another node, the network, or a hang every rank shares)") if stalled \
@@ -186,7 +196,7 @@ def _bucket(v: RankView) -> str:
     pos = v.position
     if pos is None or v.state != "running":
         return v.state
-    return f"{pos.step}/{pos.phase}/{pos.kind}/{pos.seq}"
+    return f"{pos.step}/{pos.phase}/{pos.kind}/{pos.seq}/{v.where()}"
 
 
 def write_evidence(folder: str, views: list[RankView], summary: str, now: float) -> None:

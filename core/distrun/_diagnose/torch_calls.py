@@ -31,20 +31,50 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from distrun._diagnose.position import COLLECTIVES, Phase, Recorder
+from distrun._diagnose.position import COLLECTIVES, POINT_TO_POINT, Phase, Recorder
 
 __all__ = ["watch_collectives", "watch_script_steps"]
 
 _DONE = "_distrun_position"  # set on a wrapped function (never wrapped twice)
 
 
+#: whether each process group (by id) spans the world: its collectives are numbered
+_SPANS: dict[int, bool] = {}
+
+
+def _spans_world(group: Any, world: Any) -> bool:
+    """Whether ``group`` holds every rank (the world's, or another over the same ranks, as
+    FSDP's mesh makes): every rank then counts its collectives alike."""
+    if group is None or group is world:
+        return True
+    spans = _SPANS.get(id(group))
+    if spans is None:
+        try:
+            spans = _SPANS[id(group)] = group.size() == world.size()
+        except Exception:  # noqa: BLE001 - a group torch no longer knows: not numbered
+            return False
+    return spans
+
+
 def _wrap(fn: Any, kind: int, rec: Recorder, world: Any) -> Any:
+    if COLLECTIVES[kind - 1] in POINT_TO_POINT:
+        @functools.wraps(fn)
+        def p2p(*args: Any, **kwargs: Any) -> Any:
+            rec.enter(kind, False)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.leave()
+
+        setattr(p2p, _DONE, True)
+        return p2p
+
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group")
         if group is None:  # or given by position
             group = next((a for a in args if isinstance(a, _GROUP_TYPES)), None)
-        rec.enter(kind, group is None or group is world())
+        rec.enter(kind, _spans_world(group, world()))
         try:
             return fn(*args, **kwargs)
         finally:

@@ -3,7 +3,8 @@
 Beside every worker group (one per node, under every launcher that starts groups: local,
 elastic, distrun-ft) a thread of the launcher reads its ranks' position records once a second.
 Once some rank finished a step or a collective, a run in which no rank moved for
-``--stall-timeout`` seconds is stalled: the watcher asks every rank for its stacks, writes
+``--stall-timeout`` seconds, and no rank's processes work (:mod:`distrun._diagnose.processes`:
+a long checkpoint save of one rank is slow, not stalled), is stalled: the watcher asks every rank for its stacks, writes
 them with each rank's state and position to ``RUN/stall-N/`` and prints one line that names
 the culprit (:mod:`distrun._diagnose.summary`). Then it ends the workers (``--on-stall
 stop``: the run fails with exit 1 as a collective timeout would, and ``--max-restarts``
@@ -28,7 +29,8 @@ import time
 from typing import Any
 
 from distrun._diagnose.position import Position, read_position
-from distrun._diagnose.stacks import dump_stacks, process_state
+from distrun._diagnose.processes import busy_sessions, process_state
+from distrun._diagnose.stacks import dump_stacks
 from distrun._diagnose.summary import RankView, report_of, summarize, views_of, write_evidence
 
 __all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "stall_limit"]
@@ -206,6 +208,10 @@ class StallWatcher:
                 continue
             if all(c is not None for c in group.poll()):
                 return  # every rank ended: the group's own wait reports it
+            if busy_sessions({w.proc.pid for w in group.workers if w.proc.poll() is None}):
+                # slow, not stalled: a rank works (processes.py); look again in a quarter
+                moved_at = time.monotonic() - 0.75 * limit
+                continue
             reported = True
             self._stalled(group)
             if not self.wait_on:
