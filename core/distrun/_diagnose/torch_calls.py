@@ -57,24 +57,17 @@ def _spans_world(group: Any, world: Any) -> bool:
 
 
 def _wrap(fn: Any, kind: int, rec: Recorder, world: Any) -> Any:
-    if COLLECTIVES[kind - 1] in POINT_TO_POINT:
-        @functools.wraps(fn)
-        def p2p(*args: Any, **kwargs: Any) -> Any:
-            rec.enter(kind, False)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                rec.leave()
-
-        setattr(p2p, _DONE, True)
-        return p2p
+    numbered = COLLECTIVES[kind - 1] not in POINT_TO_POINT
 
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        group = kwargs.get("group")
-        if group is None:  # or given by position
-            group = next((a for a in args if isinstance(a, _GROUP_TYPES)), None)
-        rec.enter(kind, _spans_world(group, world()))
+        spans = False
+        if numbered:
+            group = kwargs.get("group")
+            if group is None:  # or given by position
+                group = next((a for a in args if isinstance(a, _GROUP_TYPES)), None)
+            spans = _spans_world(group, world())
+        rec.enter(kind, spans)
         try:
             return fn(*args, **kwargs)
         finally:
