@@ -174,6 +174,8 @@ class Recorder:
         self._step_seconds = 0.0
         #: seconds spent in each phase since :meth:`take_times` last read them
         self.times = [0.0] * len(Phase)
+        #: distrun's loop marks the steps (a script's optimizer hooks then stay quiet)
+        self.in_loop = False
         os.replace(path + ".tmp", path)  # the launcher never reads a record without its head
 
     def set_flag(self, flag: int) -> None:
@@ -235,6 +237,7 @@ class _Off:
     """The recorder of a rank that keeps no record: every mark does nothing."""
 
     current = Phase.STARTING
+    in_loop = False
 
     def phase(self, phase: Phase) -> None:
         return None

@@ -154,9 +154,12 @@ def watch_script_steps(rec: Recorder) -> None:
     steps = [0]
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        rec.phase(Phase.OPTIMIZER)
+        if not rec.in_loop:  # (a script that calls distrun.fit: the loop marks its steps)
+            rec.phase(Phase.OPTIMIZER)
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if rec.in_loop:
+            return
         steps[0] += 1
         rec.step_done(steps[0])
         rec.phase(Phase.SCRIPT)
@@ -169,6 +172,8 @@ def watch_script_steps(rec: Recorder) -> None:
 
     @functools.wraps(backward)
     def marked(*args: Any, **kwargs: Any) -> Any:
+        if rec.in_loop:
+            return backward(*args, **kwargs)
         was = rec.current
         rec.phase(Phase.BACKWARD)
         try:

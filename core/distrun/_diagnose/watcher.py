@@ -41,7 +41,7 @@ STEPS = 20
 #: the default limit stays under this share of --timeout
 UNDER_TIMEOUT = 0.8
 #: seconds a rank collects the other nodes' reports (:mod:`distrun._diagnose.exchange`)
-COLLECT = 5.0
+COLLECT = 10.0
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -119,6 +119,13 @@ def live_runs() -> list[tuple[str, dict[str, str]]]:
             info = {}
         out.append((path, info))
     return out
+
+
+def _failing(group: Any) -> bool:
+    """A rank failed (or all ended): the group's own wait reports it, not a stall. (A rank
+    that exited 0 while the others wait for it is a stall, and is named so.)"""
+    codes = group.poll()
+    return all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)
 
 
 class StallWatcher:
@@ -206,12 +213,14 @@ class StallWatcher:
             limit = stall_limit(self.configured, self.timeout, list(positions.values()))
             if reported or not limit or now - moved_at < limit:
                 continue
-            if all(c is not None for c in group.poll()):
-                return  # every rank ended: the group's own wait reports it
+            if _failing(group):
+                return  # a rank failed: the group's own wait names it
             if busy_sessions({w.proc.pid for w in group.workers if w.proc.poll() is None}):
                 # slow, not stalled: a rank works (processes.py); look again in a quarter
                 moved_at = time.monotonic() - 0.75 * limit
                 continue
+            if _failing(group):  # (during the look at the processes)
+                return
             reported = True
             self._stalled(group)
             if not self.wait_on:

@@ -150,7 +150,8 @@ class WorkerGroup:
         #: when a forwarded stop (SIGINT, SIGTERM) began; its grace is counted from here
         self.stopping_since: float | None = None
         self._told_end = False  # the services heard of this start's end
-        #: the folder of the ranks' position records and stack dumps (made at the first start)
+        #: the folder of the ranks' position records and stack dumps, while workers run (made
+        #: at each start, removed once they all ended)
         self.positions: str | None = None
         #: why the group ended its workers itself (a stall's summary; None: it did not)
         self.aborted: str | None = None
@@ -190,12 +191,8 @@ class WorkerGroup:
         self.stopping_since = None
         self._told_end = False
         self.aborted = None
-        if self.positions is None:
+        if self.positions is None:  # (removed when the last workers ended)
             self.positions = _positions_folder()
-        else:  # a restart: the records of the last workers go
-            for path in glob.glob(os.path.join(self.positions, "rank*")):
-                with contextlib.suppress(OSError):
-                    os.remove(path)
         if not self.ranks.local_ranks:  # (a scheduler that placed each rank chose for itself)
             warn_oversubscribed(self.ranks.workers_here or self.ranks.nproc)
         try:
@@ -390,6 +387,9 @@ class WorkerGroup:
             self._told_end = True
             for service in self.services:
                 service.ended(self)
+        if self.positions is not None:  # nobody reads the records of ended workers
+            shutil.rmtree(self.positions, ignore_errors=True)
+            self.positions = None
 
 
 def wait_with_signals(group: WorkerGroup) -> int:

@@ -89,7 +89,6 @@ _RENDEZVOUS_STORE: StashKey[Any] = StashKey("loop.rendezvous_store")
 
 def fit_loop(run: Run) -> Any:
     """The core's ``distrun_run_fit``: epochs until max_epochs/max_steps or a stop."""
-    cfg = run.config
     run.stash[_WINDOW] = _Window(run.stash.get(COMPILE_TIME))
     run.stash[_EPOCH_LOGGED] = Accumulator()
     sync = run.stash[STEP_SYNC] = StepSync(run, functools.partial(_pack_window, run))
@@ -97,6 +96,17 @@ def fit_loop(run: Run) -> Any:
     if run.sampler is not None:
         run.sampler.epoch = run.progress.epoch
     _set_stream_epoch(run)
+    rec = marks()
+    rec.in_loop = True  # (a plain script's step marks stay quiet meanwhile)
+    try:
+        return _fit_epochs(run, sync)
+    finally:
+        rec.in_loop = False
+
+
+def _fit_epochs(run: Run, sync: StepSync) -> Any:
+    """The epochs of :func:`fit_loop`, then the last validation."""
+    cfg = run.config
     while run.progress.epoch < cfg.max_epochs and not run.done:
         run.hook.distrun_run_epoch(run=run, epoch=run.progress.epoch)
         _await_ranks(run, run.progress.epoch)

@@ -121,11 +121,11 @@ def test_join_tutorial_example_completes(tmp_path):
 @pytest.mark.slow
 def test_without_the_plugin_uneven_inputs_end_in_a_clear_timeout(tmp_path):
     result = run_cli("-p", "no:join", "run", "--nproc-per-node", "2", "--strategy", "ddp",
-                     "--timeout", "8", "--run-dir", str(tmp_path / "run"),
+                     "--timeout", "20", "--stall-timeout", "3", "--run-dir", str(tmp_path / "run"),
                      f"{TASKS}:Uneven", cwd=tmp_path, timeout=240)
     assert result.returncode == 1, result
-    # the stall watcher (its default limit: 0.8 x --timeout here) names the rank that ran out
-    # before the collective times out
+    # the stall watcher names the rank that ran out (3 s without a move) before the collective
+    # times out (20 s)
     stall = [ln for ln in result.stderr.splitlines() if ln.startswith("error: stall")]
     assert len(stall) == 1, result.stderr
     assert re.search(r"rank \d \(host [^,]+, pid \d+\) at its epoch's end \(no batches left\) "
