@@ -62,9 +62,7 @@ def stacks_cmd(run: str | None) -> None:
         raise UsageError("the run has no ranks running on this host yet (try again once they "
                          "started)")
     views = diagnose_group(folder, ranks, socket.gethostname())
-    config: Any = type("Where", (), {"run_dir": info.get("run_dir", ""),
-                                     "log_dir": info.get("log_dir", "")})()
-    out = evidence_folder(config, base="stacks")
+    out = evidence_folder(info.get("run_dir") or info.get("log_dir") or "", base="stacks")
     now = time.monotonic()
     line = summarize(views, now, evidence=out + os.sep, title="positions")
     write_evidence(out, views, line, now)

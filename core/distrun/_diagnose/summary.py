@@ -106,7 +106,7 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
     parts = [f"{v.who()} {v.doing(now)}" for v in culprits]
     if why:
         parts.append(why)
-    for _, group in _same_doing(others, now):
+    for group in _same_doing(others):
         doing = group[0].doing(now)
         if len(group) > 1:  # "rank 0 waits", "ranks 0,2 wait"
             verb, _, rest = doing.partition(" ")
@@ -184,12 +184,12 @@ def _diverged(views: list[RankView], pos: dict[int, Position],
     return None
 
 
-def _same_doing(views: list[RankView], now: float) -> list[tuple[str, list[RankView]]]:
-    """The ranks grouped by what they do (times within a second count as the same)."""
+def _same_doing(views: list[RankView]) -> list[list[RankView]]:
+    """The ranks grouped by what they do: the same step, phase, collective and line."""
     groups: dict[str, list[RankView]] = {}
     for v in views:
         groups.setdefault(_bucket(v), []).append(v)
-    return list(groups.items())
+    return list(groups.values())
 
 
 def _bucket(v: RankView) -> str:

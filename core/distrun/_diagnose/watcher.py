@@ -52,12 +52,11 @@ def stall_limit(configured: float, timeout: float, positions: list[Position]) ->
     return min(max(MIN_STALL, STEPS * step), UNDER_TIMEOUT * timeout)
 
 
-def evidence_folder(config: Any, base: str = "stall", node: int | None = None,
+def evidence_folder(parent: str, base: str = "stall", node: int | None = None,
                     count: int = 0) -> str:
-    """A new ``stall-N`` folder's path: in the run folder, else the log folder, else the
-    temporary folder (a plain script without ``--name`` has no run folder). One node of
+    """A new ``stall-N`` folder's path in ``parent`` (the run folder, else the log folder;
+    "": the temporary folder, as for a plain script without ``--name``). One node of
     several: ``stall-<its count>-node<K>`` (the nodes may share the run folder)."""
-    parent = getattr(config, "run_dir", "") or getattr(config, "log_dir", "")
     prefix = base
     if not parent:
         parent, prefix = tempfile.gettempdir(), f"distrun-{base}-{os.getpid()}"
@@ -69,8 +68,8 @@ def evidence_folder(config: Any, base: str = "stall", node: int | None = None,
     return os.path.join(parent, f"{prefix}-{n}")
 
 
-def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]], host: str,
-                   now: float | None = None) -> list[RankView]:
+def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]],
+                   host: str) -> list[RankView]:
     """Every rank of one node, as :class:`RankView`: ``ranks`` maps a rank to (pid, exit code
     or None while it runs); the positions and stacks come from ``folder``."""
     views: list[RankView] = []
@@ -234,7 +233,8 @@ class StallWatcher:
         nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
         if nnodes > 1:
             views = self._across_nodes(group, views, nnodes)
-        folder = evidence_folder(self.config, node=group.ranks.node_rank if nnodes > 1 else None,
+        parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
+        folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
                                  count=self.count)
         now = time.monotonic()
         line = summarize(views, now, evidence=folder + os.sep)
