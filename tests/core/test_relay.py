@@ -77,3 +77,30 @@ def test_redraws_pass_through_and_whole_lines_stay_whole():
     assert out.getvalue() == ""
     relay.emit(rank, "in pieces\n", out)
     assert out.getvalue() == "[rank0]: a line in pieces\n"
+
+
+def test_the_log_file_gets_each_streams_lines_whole(tmp_path):
+    """A rank's stdout and stderr go to one log file, read by two threads: a line written in
+    pieces (unbuffered Python writes a print's text and its newline apart) is not cut by the
+    other stream's line, a last line without its newline is kept at the end, and a line that
+    never ends is logged as it comes rather than held without bound."""
+    relay = Relay()
+    out, err = io.StringIO(), io.StringIO()
+    rank = RankOutput(1, log=open(tmp_path / "rank1.log", "a"))  # noqa: SIM115
+    relay.emit(rank, "warn 1", err)
+    relay.emit(rank, "hello from 1\n", out)
+    relay.emit(rank, "\n", err)
+    relay.emit(rank, "\rstep 1\rstep 2", err)
+    relay.emit(rank, "no newline", out)
+    relay.flush(rank, out)
+    relay.flush(rank, err)
+    assert (tmp_path / "rank1.log").read_bytes() == \
+        b"hello from 1\nwarn 1\n\rstep 1\rno newlinestep 2"
+    big = "x" * (1 << 17)
+    relay.emit(rank, big, out)
+    assert (tmp_path / "rank1.log").read_text().endswith(big)  # not held back
+    relay.emit(rank, "y\n", out)
+    relay.flush(rank, out)
+    rank.log.close()
+    assert (tmp_path / "rank1.log").read_text().endswith(big + "y\n")
+    assert out.getvalue().endswith(big + "y\n")

@@ -101,9 +101,10 @@ class Relay:
         #: held while a line is written (and while a rank's log file is closed)
         self.lock = threading.Lock()
         self._seen_errors: set[str] = set()
-        #: the open end of the last line, per (rank, stream), and how much of it is shown
-        #: (-1: none yet, but it follows a ``\\r`` and is shown as it comes)
-        self._open: dict[tuple[int, int], tuple[str, int]] = {}
+        #: the open end of the last line, per (rank, stream), how much of it is shown
+        #: (-1: none yet, but it follows a ``\\r`` and is shown as it comes) and how much
+        #: of it is in the log file
+        self._open: dict[tuple[int, int], tuple[str, int, int]] = {}
         #: a traceback being read, per (rank, stream); printed as one block when complete
         self._pending: dict[tuple[int, int], list[str]] = {}
         #: each traceback printed (its lines without torch's rank prefix) -> the ranks that
@@ -124,14 +125,22 @@ class Relay:
         (``\\r``: a progress bar) is shown as it comes, each state as soon as it is written.
         """
         key = (rank.rank, id(dst))
-        self._log(rank, text)
-        buf, shown = self._open.pop(key, ("", 0))
+        buf, shown, logged = self._open.pop(key, ("", 0, 0))
         buf += text
         start = 0
         for end in _line_ends(buf):
             self._piece(rank, buf[start:end], dst, shown)
             start, shown = end, 0
         rest = buf[start:]
+        # The log file gets whole pieces too: the rank's stdout and stderr are read by two
+        # threads, and a line written in two pieces (unbuffered Python writes a print's
+        # text and its newline apart) must not be cut by the other stream's line.
+        if len(rest) - logged > _CHUNK:  # a line that never ends: logged as it comes
+            self._log(rank, buf[logged:])
+            logged = len(rest)
+        else:
+            self._log(rank, buf[logged:start])
+            logged = max(logged - start, 0)
         if not rest:
             return
         if start and buf[start - 1] == "\r" and not shown and key not in self._pending:
@@ -140,13 +149,14 @@ class Relay:
             at = max(shown, 0)
             self._console(rank, rest[at:], dst, line_start=at == 0)
             shown = len(rest)
-        self._open[key] = (rest, shown)
+        self._open[key] = (rest, shown, logged)
 
     def flush(self, rank: RankLines, dst: IO[str]) -> None:
         """The stream of ``rank`` to ``dst`` ended: print what is left (an unfinished
         traceback, a last line without its newline)."""
         key = (rank.rank, id(dst))
-        rest, shown = self._open.pop(key, ("", 0))
+        rest, shown, logged = self._open.pop(key, ("", 0, 0))
+        self._log(rank, rest[logged:])
         shown = max(shown, 0)
         if rest[shown:]:
             self._console(rank, rest[shown:], dst, line_start=shown == 0)
@@ -180,6 +190,8 @@ class Relay:
     def _log(self, rank: RankLines, text: str) -> None:
         """Append ``text`` to the rank's log file; one that fails (a full disk) is given up,
         said once for the run: the console keeps the output."""
+        if not text:
+            return
         with self.lock:
             log = rank.log
             if log is None or log.closed:
