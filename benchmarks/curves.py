@@ -48,7 +48,10 @@ quick run never replaces the full run's plots).
   and both resume from step 4's checkpoint (checked: the first step trained after the restart
   must be 5). Not killed at step 4 itself: the kill is a step-end hook that runs before
   distrun's checkpoint hook of the same step, so distrun would restart from nothing (a tiny
-  model in recovery.py, dying at step 50, resumes from 48's). Also printed: the two parts of the
+  model in recovery.py, dying at step 50, resumes from 48's). A third side is the same distrun
+  run with the memory tier (``--ckpt-memory-every-n-steps 1``): it resumes from the newest
+  checkpoint in the node's memory (its ``resumed`` column: the steps it did not redo). Also
+  printed: the two parts of the
   recovery (detect + respawn, worker start -> first step) and distrun's load time. The top is
   300M, not 400M: AdamW on 2 replicated ranks holds 16 bytes per parameter per rank (weights,
   gradients, two moments), 9.6 GB at 300M and 12.8 GB at 400M before the processes' own ~2 GB.
@@ -485,8 +488,9 @@ def curve_checkpoint(sizes: list[float], ranks: list[int], repeats: int, scratch
 # -- restart ----------------------------------------------------------------------------------
 
 #: recovery.py's sides compared here: the anchor, then distrun's loop
-RESTART_SIDES = ("torchrun-fix", "distrun")
-RESTART_LABELS = {"torchrun-fix": "torchrun + torch.save", "distrun": "distrun + safetensors"}
+RESTART_SIDES = ("torchrun-fix", "distrun", "distrun-memory")
+RESTART_LABELS = {"torchrun-fix": "torchrun + torch.save", "distrun": "distrun + safetensors",
+                  "distrun-memory": "distrun + memory tier"}
 #: the run: checkpoint at step 4 only, rank 1 dies at the end of step 5, both resume at 5
 RESTART_ENV = {"BENCH_KILL_STEP": "5", "BENCH_STEPS": "6", "BENCH_CKPT_EVERY": "4",
                "BENCH_PG_TIMEOUT": "600"}
@@ -520,11 +524,13 @@ def curve_restart(params: list[int], repeats: int, img: Path) -> bool:
           f"{RESTART_ENV['BENCH_CKPT_EVERY']}, rank 1 killed at the end of step "
           f"{RESTART_ENV['BENCH_KILL_STEP']}; seconds from the death to the end of the first "
           f"resumed step, medians of {repeats} trial(s) per side", flush=True)
+    distrun_cols = f"{'recover':>7} {'detect':>7} {'start':>7} {'load':>6} {'ok':>5} " \
+        f"{'resumed':>7} | {'torchrun':>9}"
     print(f"{'params':>12} | {'torchrun-fix + torch.save':^37} | "
-          f"{'distrun loop + safetensors':^44} | {'distrun /':>9}")
+          f"{'distrun loop + safetensors':^44} | {'/':>9} | "
+          f"{'the same + memory tier':^44} | {'/':>9}")
     print(f"{'':>12} | {'recover':>7} {'detect':>7} {'start':>7} {'ok':>5} {'resumed':>7} | "
-          f"{'recover':>7} {'detect':>7} {'start':>7} {'load':>6} {'ok':>5} {'resumed':>7} | "
-          f"{'torchrun':>9}", flush=True)
+          f"{distrun_cols} | {distrun_cols}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="distrun-curve-restart-"))
     rows: list[dict[str, Any]] = []
     index = 0
@@ -533,8 +539,9 @@ def curve_restart(params: list[int], repeats: int, img: Path) -> bool:
         for n in params:
             width, depth = _mlp_shape(n)
             count = _mlp_params(width, depth)
-            # 2 ranks x 16 bytes a parameter (weights, gradients, AdamW's two moments)
-            if not _fits(32 * count + 2 * GB, f"{count:,} parameters"):
+            # 2 ranks x 16 bytes a parameter (weights, gradients, AdamW's two moments), and the
+            # memory tier's 12 (weights and moments) three times: two copies and the buffers
+            if not _fits(68 * count + 2 * GB, f"{count:,} parameters"):
                 continue
             env = dict(RESTART_ENV, BENCH_WIDTH=str(width), BENCH_DEPTH=str(depth))
             trials: dict[str, list[recovery.Trial]] = {side: [] for side in RESTART_SIDES}
@@ -586,12 +593,17 @@ def _restart_row(count: int, trials: dict[str, list[recovery.Trial]],
 
 
 def _restart_line(row: dict[str, Any], repeats: int) -> str:
-    t, d = row["torchrun-fix"], row["distrun"]
-    return (f"{row['params']:>12,} | {_fmt(t['recover'], '.2f', 7)} {_fmt(t['detect'], '.2f', 7)} "
-            f"{_fmt(t['start'], '.2f', 7)} {t['ok']:>2}/{repeats:<2} {t['resumed'] or '-':>7} | "
-            f"{_fmt(d['recover'], '.2f', 7)} {_fmt(d['detect'], '.2f', 7)} "
-            f"{_fmt(d['start'], '.2f', 7)} {_fmt(d['load'], '.2f', 6)} {d['ok']:>2}/{repeats:<2} "
-            f"{d['resumed'] or '-':>7} | {_fmt(_ratio(d['recover'], t['recover']), '.2f', 8)}x")
+    t = row["torchrun-fix"]
+    line = (f"{row['params']:>12,} | {_fmt(t['recover'], '.2f', 7)} "
+            f"{_fmt(t['detect'], '.2f', 7)} {_fmt(t['start'], '.2f', 7)} "
+            f"{t['ok']:>2}/{repeats:<2} {t['resumed'] or '-':>7}")
+    for side in RESTART_SIDES[1:]:
+        d = row[side]
+        line += (f" | {_fmt(d['recover'], '.2f', 7)} {_fmt(d['detect'], '.2f', 7)} "
+                 f"{_fmt(d['start'], '.2f', 7)} {_fmt(d['load'], '.2f', 6)} "
+                 f"{d['ok']:>2}/{repeats:<2} {d['resumed'] or '-':>7} | "
+                 f"{_fmt(_ratio(d['recover'], t['recover']), '.2f', 8)}x")
+    return line
 
 
 # -- startup ----------------------------------------------------------------------------------

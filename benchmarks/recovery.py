@@ -21,7 +21,9 @@ rank 1 SIGKILLs itself at step KILL after writing the time. Each side is allowed
 - ``distrun``: ``distrun run --max-restarts 1`` with distrun-elastic and distrun-safetensors
   running distrun's own loop, checkpointing every 2 steps; the restarted workers resume from the
   latest checkpoint (warm);
-- ``distrun-cold``: the same with ``--no-warm-restart``.
+- ``distrun-cold``: the same with ``--no-warm-restart``;
+- ``distrun-memory``: ``distrun`` with the memory tier as well (``--ckpt-memory-every-n-steps
+  1``): the restarted workers load the newest checkpoint from the node's memory, not the disk.
 
 The model, the kill step, the run's length, the checkpoint cadence and the process-group
 timeout are read from ``BENCH_WIDTH`` and ``BENCH_DEPTH`` (an MLP 8 -> width, then ``depth``
@@ -283,6 +285,7 @@ def trial(kind: str, work: Path, index: int, extra_env: dict[str, str] | None = 
                "--no-summary", "--timeout", env.get("BENCH_PG_TIMEOUT", str(PG_TIMEOUT)),
                "--name", f"bench-{index}",
                *(["--no-warm-restart"] if "cold" in kind else []),
+               *(["--ckpt-memory-every-n-steps", "1"] if kind == "distrun-memory" else []),
                f"{work / 'bench_task.py'}:BenchTask"]
     try:
         proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True,
@@ -337,7 +340,7 @@ def main(argv: list[str]) -> int:
 
 #: every side, in the order they run
 SIDES = ("torchrun", "torchrun-fix", "distrun-run", "distrun-run-cold", "distrun",
-         "distrun-cold")
+         "distrun-cold", "distrun-memory")
 
 
 def median(values: list[float | None]) -> float | None:
@@ -364,7 +367,7 @@ def _summary(results: dict[str, list[Trial]], trials: int) -> int:
             if med.get(base) and med.get(side):
                 print(f"ratio {side} / {base} (the same script): "
                       f"{med[side] / med[base]:.2f}  (target <= {target})")
-    for side in ("distrun", "distrun-cold"):
+    for side in ("distrun", "distrun-cold", "distrun-memory"):
         if side not in results:
             continue
         load = median([r[4] for r in results[side]]) or 0.0

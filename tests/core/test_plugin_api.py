@@ -180,8 +180,6 @@ THIRD_PARTY = {
     "join_launcher": "tests/core/test_plugin_kit.py::test_a_rank_that_joined_its_launcher_dies_with_it",
     "die_with_parent": "tests/core/test_reaper.py::"
                        "test_die_with_parent_ends_the_child_but_not_what_it_left",
-    "reaped": "tests/core/test_reaper.py::"
-              "test_a_reaped_tree_ends_with_its_parent_orphans_and_daemons_included",
 }
 
 

@@ -183,6 +183,10 @@ class WorkerGroup:
                              store_fd=self.store.fileno() if self.store is not None else None)
         if self.positions is not None:
             env[POSITIONS_ENV] = self.positions
+        for service in self.services:  # what a service hands the ranks (its folder, say)
+            provide = getattr(service, "worker_env", None)
+            if provide is not None:
+                env.update(provide(self))
         return env
 
     def start(self) -> WorkerGroup:

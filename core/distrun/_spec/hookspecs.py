@@ -207,7 +207,8 @@ def distrun_node_services(config: RunConfig) -> NodeService | None:
     Asked in the launcher by each worker group the launcher makes (the local launcher, the
     elastic agent, distrun-ft's replica groups), before its first start. The group calls the
     service's ``started(group)`` after each start of its workers and ``ended(group)`` once they
-    have all ended (a restart is an end, then a start). Must not import torch.
+    have all ended (a restart is an end, then a start); a service's ``worker_env(group)``, when
+    it has one, gives variables to every worker of each start. Must not import torch.
 
     :param config: the resolved run config.
     :return: a :class:`~distrun.plugin.NodeService`, or None to add nothing for this run.

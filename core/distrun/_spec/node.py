@@ -21,7 +21,13 @@ class NodeService(Protocol):
     with ``rank``, ``local_rank`` and ``proc.pid``), ``group.ranks`` (the layout),
     ``group.poll()`` (exit codes). Both are called in the launcher process, on the thread that
     starts or stops the workers (the elastic agent stops a cut-off node's from its heartbeat
-    thread): return promptly (start a thread for long work)."""
+    thread): return promptly (start a thread for long work).
+
+    A service may also define ``worker_env(group) -> Mapping[str, str]``: variables every
+    worker of ``group`` starts with (added after the launcher's own), asked at each start
+    before the workers exist. That is how a service hands the ranks what it holds for them
+    (the memory tier its folder). The launcher keeps one service object for all its groups and
+    restarts, so what the service made lives as long as the launcher does."""
 
     def started(self, group: Any) -> None: ...
 

@@ -20,6 +20,7 @@ from distrun_safetensors.files import CheckpointError, FileReaders
 from distrun_safetensors.manifest import (
     BEST,
     LATEST,
+    STEP_RE,
     Checkpoint,
     best_candidates,
     candidates,
@@ -70,7 +71,25 @@ def resolve_source(source: str, ckpt_dir: str,
     return folders, False, notes
 
 
-def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST) -> Checkpoint | None:
+def merge_newest(disk: list[str], memory: list[str]) -> list[str]:
+    """The folders to try when the memory tier (``memory``, newest first) competes with the
+    checkpoint folder (``disk``, in its own order): the memory's checkpoints of a step at
+    least as new as the folder's first go before it (the same step: memory, the faster
+    read), its older ones right after it."""
+    if not disk:
+        return list(memory)
+    first = _step_of(disk[0])
+    newer = [m for m in memory if _step_of(m) >= first]
+    return newer + disk[:1] + [m for m in memory if m not in newer] + disk[1:]
+
+
+def _step_of(folder: str) -> int:
+    match = STEP_RE.match(os.path.basename(os.path.normpath(folder)))
+    return int(match.group(1)) if match else -1
+
+
+def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
+            also: list[str] | None = None) -> Checkpoint | None:
     rank, world = comm.rank_world()
     if source == BEST:
         source, pointer = LATEST, BEST
@@ -78,6 +97,11 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST) -> 
     if rank == 0:
         try:
             plan = resolve_source(source, ckpt_dir, pointer)
+            if also and source in ("auto", "latest") and pointer == LATEST:
+                folders, explicit, notes = plan
+                for folder in also:
+                    folders = merge_newest(folders, candidates(folder)[0])
+                plan = folders, explicit, notes
         except CheckpointError as exc:
             plan = str(exc)
     plan = comm.broadcast(plan)
@@ -170,15 +194,18 @@ def _brief(groups: Any) -> str:
 
 
 def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir: str = "",
-         verify: bool = True, pointer: str = LATEST) -> LoadResult | None:
+         verify: bool = True, pointer: str = LATEST,
+         also: list[str] | None = None) -> LoadResult | None:
     """Restore ``model`` (and ``optimizer``) in place on every rank; None when ``auto`` finds
     nothing. Raises :class:`CheckpointError` before changing anything when the checkpoint is
     damaged or does not fit.
 
     ``source``: ``latest``, ``auto``, ``best`` or a path; ``pointer="best"`` makes
-    ``latest``/``auto``/a checkpoints folder follow ``best`` instead of ``latest``.
+    ``latest``/``auto``/a checkpoints folder follow ``best`` instead of ``latest``. ``also``:
+    more checkpoint folders whose checkpoints compete with ``ckpt_dir``'s under ``latest`` and
+    ``auto`` (the memory tier's, :func:`merge_newest`).
     """
-    ckpt = _choose(source, ckpt_dir, verify, pointer)
+    ckpt = _choose(source, ckpt_dir, verify, pointer, also)
     if ckpt is None:
         return None
     problem = None

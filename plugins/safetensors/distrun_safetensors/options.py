@@ -24,6 +24,14 @@ class CheckpointOptions(PluginOptions, plugin="safetensors"):
         "(--no-ckpt-save-on-end: none)")
     ckpt_async: bool = option(
         False, "copy tensors to CPU memory and write them in a background thread")
+    ckpt_memory_every_n_steps: int = option(
+        0, "also keep a checkpoint in this node's memory every N steps, written in the "
+        "background: a restart on the node loads the newest from memory, not the disk (0: off)",
+        min=0)
+    ckpt_memory_max_gb: float = option(
+        0.0, "at most this much memory for --ckpt-memory-every-n-steps (0: what /dev/shm and "
+        "the free memory allow); a state that does not fit turns the memory tier off at its "
+        "first save", min=0)
     ckpt_verify: bool = option(True, "verify checksums when loading (--no-ckpt-verify skips it)")
     ckpt_split_mb: float = option(
         4.0, "replicated tensors larger than this are split by rows across ranks when saved",

@@ -29,6 +29,16 @@ def distrun_register_options(register):
 
 
 @hookimpl
+def distrun_node_services(config):
+    """The memory tier's folder, held by the launcher (``--ckpt-memory-every-n-steps``)."""
+    if CheckpointOptions.of(config).ckpt_memory_every_n_steps and not config.get("ft"):
+        from distrun_safetensors.memory_tier import MemoryTier
+
+        return MemoryTier()
+    return None
+
+
+@hookimpl
 def distrun_resume_words():
     return {"best": "the best checkpoint --ckpt-monitor kept"}
 
@@ -179,14 +189,20 @@ def distrun_save_checkpoint(run, reason):
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
 
+    from distrun_safetensors.memory_tier import node_tier, wait_for_memory_save
+
     saver = run.stash.get(_KEY)
     if saver is not None:
         saver.wait()
+    wait_for_memory_save(run)
     if run.stage == "fit":
         _check_storage(run)
     pointer = "best" if _opts(run).ckpt_resume_best else "latest"
+    # the memory tier's checkpoints compete with the disk's: the newest committed step wins
+    tier = node_tier(run) if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps \
+        else None
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
-                  verify=_opts(run).ckpt_verify, pointer=pointer)
+                  verify=_opts(run).ckpt_verify, pointer=pointer, also=[tier] if tier else [])
     if result is None:
         return None
     run.load_state_dict(result.state)
@@ -221,6 +237,10 @@ def distrun_on_fit_start(run):
         run.add_hooks(Cadence(every, seconds))
     if opts.ckpt_monitor and run.model is not None:
         run.add_hooks(_best(run))
+    if opts.ckpt_memory_every_n_steps and run.model is not None:
+        from distrun_safetensors.memory_tier import start_tier
+
+        start_tier(run, opts.ckpt_memory_every_n_steps, opts.ckpt_memory_max_gb)
 
 
 def _best(run: Any) -> Any:
@@ -305,6 +325,9 @@ def distrun_on_fit_end(run):
 
 @hookimpl
 def distrun_teardown(run):
+    from distrun_safetensors.memory_tier import wait_for_memory_save
+
+    wait_for_memory_save(run)
     saver = run.stash.get(_KEY)
     if saver is not None:
         try:

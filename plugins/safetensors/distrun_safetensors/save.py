@@ -81,6 +81,9 @@ class Checkpointer:
         self.last: tuple[int, str] | None = None
         self.pending: tuple[int, str] | None = None
         self._claims: dict[str, int] = {}  # rank 0: lock of each temporary folder it writes
+        #: ``room_check(nbytes)``: this rank's tensor bytes of a save -> a refusal (one line)
+        #: or None, asked before anything is written (the memory tier's room)
+        self.room_check: Any = None
 
     # -- public ---------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
@@ -139,6 +142,10 @@ class Checkpointer:
             job = self._collect(rank, world, model, optimizer, state, step, reason, info)
             job["retention"] = retention
             job["owners"] = owners
+            if self.room_check is not None:
+                nbytes = sum(p.nbytes for _, p in job["pieces"]) + sum(
+                    t.numel() * t.element_size() for t in job["state_tensors"].values())
+                error = self.room_check(nbytes)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         error = comm.agree(error)  # every rank fails together, before any file is written

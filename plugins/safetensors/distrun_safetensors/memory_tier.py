@@ -1,0 +1,261 @@
+"""The memory tier: checkpoints kept in the node's memory, outliving the workers that wrote them.
+
+``--ckpt-memory-every-n-steps N`` saves the run's state every N steps into a folder in
+``/dev/shm`` (memory, not disk) that the node's launcher owns, not the workers: a worker
+killed by a fault leaves the folder behind, and its restart on this node loads the newest
+committed checkpoint from it at memory speed instead of reading the disk. The folder holds
+ordinary checkpoints of this plugin's format (the same shards, checksums and commit rule: a
+save cut short is never loaded), written in the background while training goes on. The disk
+checkpoints (``--ckpt-every-n-steps``, the end's) stay the durable copy; a resume takes the
+newest committed checkpoint of either place.
+
+Two halves:
+
+- :class:`MemoryTier`, the node service (launcher side, torch-free): makes the folder at its
+  first group's start, hands it to every worker (``DISTRUN_CKPT_MEMORY_DIR``) and removes it
+  when the launcher ends, however it ends: at exit, and by a reaper process that outlives a
+  kill -9 of the launcher; folders of launchers that are gone are swept at the next start.
+- :class:`MemoryCadence`, the worker's hooks: a save every N steps into the folder, with the
+  room checked at the first one (too little memory turns the tier off with one line; the run
+  goes on with its disk checkpoints, never out of memory mid-run).
+
+One node for now: a run over several nodes keeps its disk checkpoints only (said once), and
+so does a run under ``--ft`` (its replica groups heal from a live peer).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from distrun.plugin import StashKey, hookimpl, reaped
+
+__all__ = ["ENV", "MemoryCadence", "MemoryTier", "node_tier", "start_tier", "tier_dir"]
+
+#: the variable that names the tier's folder to the workers
+ENV = "DISTRUN_CKPT_MEMORY_DIR"
+_PREFIX = "distrun-ckpt-memory-"
+#: the tier's checkpointer (a worker's)
+_SAVER: StashKey[Any] = StashKey("safetensors.memory")
+
+
+def _memory_root() -> str:
+    """Where the tier lives: ``/dev/shm`` (memory) when there is one, else the temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else tempfile.gettempdir()
+
+
+def sweep_orphans(root: str) -> list[str]:
+    """Remove the tier folders in ``root`` whose launcher is gone; the removed paths."""
+    removed = []
+    for path in glob.glob(os.path.join(root, _PREFIX + "*")):
+        pid = os.path.basename(path)[len(_PREFIX):].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+class MemoryTier:
+    """The node's memory tier folder (a :class:`~distrun.plugin.NodeService`).
+
+    The launcher keeps one service for all its worker groups, so the folder lives from the
+    first start of the node's workers to the launcher's end, through every restart.
+    """
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root or _memory_root()
+        self.path: str | None = None
+        self._keeper: subprocess.Popen[bytes] | None = None
+
+    def worker_env(self, group: Any) -> Mapping[str, str]:
+        if self.path is None:
+            self._make()
+        return {ENV: self.path or ""}
+
+    def started(self, group: Any) -> None:
+        """Nothing to do: the folder was made before the workers started."""
+
+    def ended(self, group: Any) -> None:
+        """Nothing to do: the folder outlives the workers (that is its point)."""
+
+    def _make(self) -> None:
+        sweep_orphans(self.root)
+        self.path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=self.root)
+        atexit.register(self.close)
+        # removes the folder when this process dies, kill -9 included (sleep is what it waits on)
+        with contextlib.suppress(OSError):
+            self._keeper = subprocess.Popen(reaped(["sleep", "infinity"], grace=0.0,
+                                                   remove=self.path),
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def close(self) -> None:
+        """Remove the folder and end its keeper (at the launcher's exit)."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper.poll() is None:
+            keeper.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                keeper.wait(timeout=5)
+
+
+def tier_dir() -> str | None:
+    """The memory tier's folder given to this worker by its launcher, None without one."""
+    path = os.environ.get(ENV, "")
+    return path if path and os.path.isdir(path) else None
+
+
+def _free_bytes(path: str) -> int:
+    """What the tier can still take: the folder's free space and the memory not yet in use
+    (a file in /dev/shm is memory: the smaller of the two)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                free = min(free, int(line.split()[1]) * 1024)
+    return free
+
+
+def _size(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MB"
+
+
+class MemoryCadence:
+    """Saves into the memory tier every ``every`` steps (each rank holds one)."""
+
+    def __init__(self, every: int, folder: str, max_gb: float) -> None:
+        self.every, self.folder, self.max_gb = every, folder, max_gb
+        self.off = False
+        self.checked = False
+
+    def room(self, local_world: int) -> Any:
+        """The check of the first save: its bytes (this rank's share) -> a refusal or None.
+
+        Two copies of the state are held while a save commits (the new one and the one it
+        replaces), and the async save keeps one more in each rank's buffers.
+        """
+
+        def check(nbytes: int) -> str | None:
+            if self.checked:
+                return None
+            self.checked = True
+            need = nbytes * local_world * 3
+            free = _free_bytes(self.folder)
+            limit = min(free, int(self.max_gb * (1 << 30))) if self.max_gb else free
+            if need <= limit:
+                return None
+            what = f"--ckpt-memory-max-gb {self.max_gb:g} allows" if self.max_gb and \
+                limit < free else f"{os.path.dirname(self.folder)} has {_size(free)} free"
+            return (f"it needs about {_size(need)} (two copies of this node's state and the "
+                    f"save's buffers) and {what}")
+
+        return check
+
+    @hookimpl(trylast=True)  # after the step's other hooks, as the disk cadence saves
+    def distrun_on_step_end(self, run, step):
+        if self.off or step % self.every:
+            return
+        from distrun_safetensors.files import CheckpointError
+
+        saver = memory_checkpointer(run, self)
+        try:
+            saver.save(step, run.unwrapped_model(), run.optimizer, run.state_dict(),
+                       reason="memory", info=_info(run))
+        except CheckpointError as exc:
+            self._turn_off(run, saver, str(exc))
+
+    def _turn_off(self, run: Any, saver: Any, why: str) -> None:
+        """The tier is given up for this run, said once; the disk checkpoints go on."""
+        self.off = True
+        why = re.sub(r"^checkpoint step \d+ was not saved: ", "", why)
+        if run.is_global_zero:
+            run.log.warning("warning: memory tier off: %s; checkpoints go to the disk only "
+                            "(--ckpt-memory-every-n-steps 0 turns it off)", why)
+        with contextlib.suppress(Exception):
+            saver.wait()
+
+    @hookimpl
+    def distrun_on_fit_end(self, run):
+        saver = run.stash.get(_SAVER)
+        if saver is not None and not self.off:
+            try:
+                saver.wait()
+            except Exception as exc:  # the disk copy is the durable one: said, not raised
+                self._turn_off(run, saver, str(exc))
+
+
+def _local_world(run: Any) -> int:
+    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
+
+
+def _info(run: Any) -> dict[str, Any]:
+    from distrun_safetensors.manifest import RUN
+    from distrun_safetensors.session import run_key
+
+    return {"strategy": getattr(run.strategy, "name", None),
+            "progress": run.progress.state_dict(), RUN: run_key(), "tier": "memory"}
+
+
+def memory_checkpointer(run: Any, cadence: MemoryCadence | None = None) -> Any:
+    """This rank's checkpointer of the memory tier (made at its first use)."""
+    saver = run.stash.get(_SAVER)
+    if saver is None:
+        from distrun_safetensors.save import Checkpointer
+        from distrun_safetensors.session import _opts
+
+        assert cadence is not None
+        saver = Checkpointer(cadence.folder, keep_last=1,
+                             split_bytes=int(_opts(run).ckpt_split_mb * (1 << 20)),
+                             async_save=True, rdzv_generation=run.generation)
+        saver.room_check = cadence.room(_local_world(run))
+        run.stash[_SAVER] = saver
+    return saver
+
+
+def wait_for_memory_save(run: Any) -> None:
+    """Let the memory tier's save in flight finish (before a load reads the folder)."""
+    saver = run.stash.get(_SAVER)
+    if saver is not None:
+        with contextlib.suppress(Exception):
+            saver.wait()
+
+
+def node_tier(run: Any) -> str | None:
+    """The memory tier's folder where this run can use it: given by the launcher, and the
+    run on one node (each node's folder holds what its own ranks need only then)."""
+    folder = tier_dir()
+    return folder if folder is not None and run.world_size == _local_world(run) else None
+
+
+def start_tier(run: Any, every: int, max_gb: float) -> None:
+    """At the fit's start: the memory cadence, where the tier can be used (else one line)."""
+    folder = node_tier(run)
+    why = None
+    if run.config.get("ft"):  # (its launcher made no folder)
+        why = "under --ft a replica group heals from a live replica instead"
+    elif tier_dir() is None:
+        why = "no launcher holds it (run under `distrun run`)"
+    elif folder is None:
+        why = "a run over several nodes keeps its disk checkpoints only, for now"
+    if folder is None:
+        if run.is_global_zero:
+            run.log.warning("warning: memory tier off: %s; checkpoints go to the disk only", why)
+        return
+    if run.is_global_zero:  # a save of a worker killed mid-write: its memory is given back
+        from distrun_safetensors.leftovers import sweep_stale
+
+        sweep_stale(folder, timeout=run.config.timeout)
+    run.add_hooks(MemoryCadence(every, folder, max_gb))

@@ -1,0 +1,138 @@
+"""The memory tier (``--ckpt-memory-every-n-steps``): checkpoints in the node's memory, held by
+the launcher, that a restarted worker loads instead of the disk's.
+
+Each run is the recovery tests' run (see conftest): 2 ranks over gloo, a rank SIGKILLed, the
+run restarted by ``--max-restarts``, its end compared bit for bit with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from elastic_helpers import TASK, TRAIN, Launcher, final_weights, plugin_env, records
+
+from distrun.testing import run_cli
+
+MEMORY = "/dev/shm/distrun-ckpt-memory-"
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    got, want = final_weights(a), final_weights(b)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def _starts(rec: Path) -> dict[tuple[int, int], dict]:
+    return {(e["attempt"], e["rank"]): e for e in records(rec, "events.jsonl")}
+
+
+def _tiers(pid: int) -> list[str]:
+    return glob.glob(f"{MEMORY}{pid}-*")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_resumes_from_memory_at_the_newest_step(tmp_path, reference):
+    """Disk checkpoints every 10 steps, memory every step: rank 1 killed at the end of step 13
+    costs at most the steps since the newest memory commit (12, or 11 while 12's commit was
+    in flight), not the 3 since the disk's step 10; the run ends bit-equal to the
+    uninterrupted run and leaves nothing in /dev/shm."""
+    rec = tmp_path / "rec"
+    result = run_cli("run", "--max-restarts", "1", "--ckpt-every-n-steps", "10",
+                     "--ckpt-memory-every-n-steps", "1", *TRAIN, "--name", "mem", TASK,
+                     cwd=tmp_path, env=plugin_env(rec, EL_KILL_PLAN="0:13:1"), timeout=540)
+    assert result.returncode == 0, result
+    assert result.stderr.count("restarting the workers") == 1, result
+    assert "memory tier off" not in result.stdout + result.stderr, result
+    resumed = _starts(rec)[(1, 0)]
+    assert resumed["resumed_from"].startswith(MEMORY), resumed
+    assert resumed["step"] in (11, 12), resumed
+    assert _starts(rec)[(1, 1)]["step"] == resumed["step"]
+    # the disk holds the durable copies only: its cadence's, and the end's
+    disk = sorted(p.name for p in (tmp_path / "runs" / "mem" / "checkpoints").glob("step-*"))
+    assert disk == ["step-20", "step-30", "step-36"], disk
+    _assert_same(rec, reference)
+    assert not os.path.exists(os.path.dirname(resumed["resumed_from"]))
+
+
+@pytest.mark.timeout(600)
+def test_a_damaged_memory_copy_falls_back_to_the_disk_and_a_killed_launcher_leaves_none(
+        tmp_path, reference):
+    """The tier's newest checkpoint damaged (a flipped byte in a data file) while rank 0 waits
+    at step 6: after rank 1 is killed, the restart skips it with one line and resumes from the
+    disk's step 4, bit-equal in the end. Then the launcher itself is SIGKILLed while the
+    tier holds a checkpoint: its folder is gone within seconds."""
+    rec = tmp_path / "rec"
+    launcher = Launcher(["--max-restarts", "1", "--ckpt-every-n-steps", "2",
+                         "--ckpt-memory-every-n-steps", "1", *TRAIN, "--name", "bad", TASK],
+                        plugin_env(rec, EL_WAIT_AT="0:6"), tmp_path, "bad")
+    try:
+        launcher.wait_until(lambda: (rec / "waiting").exists(), "rank 0 waiting at step 6")
+        tiers = _tiers(launcher.proc.pid)
+        assert len(tiers) == 1, tiers
+        newest = Path(tiers[0]) / "step-5"
+        latest = Path(tiers[0]) / "latest"  # a file naming the newest committed step
+        launcher.wait_until(lambda: latest.exists() and latest.read_text().strip() == "step-5",
+                            "step 5 committed in memory")
+        data = sorted(newest.glob("model-*.safetensors"))[0]
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        os.kill(_starts(rec)[(0, 1)]["pid"], signal.SIGKILL)
+        (rec / "go").touch()
+        assert launcher.wait(timeout=480) == 0, launcher.output()
+    finally:
+        launcher.kill_all()
+    out = launcher.output()
+    assert out.count(f"skipping {newest}") == 1, out
+    resumed = _starts(rec)[(1, 0)]
+    assert resumed["resumed_from"] == "runs/bad/checkpoints/step-4", resumed
+    _assert_same(rec, reference)
+    assert not _tiers(launcher.proc.pid)
+
+    rec2 = tmp_path / "rec2"
+    second = Launcher(["--ckpt-memory-every-n-steps", "1", *TRAIN, "--name", "kill", TASK],
+                      plugin_env(rec2, EL_WAIT_AT="0:4"), tmp_path, "kill")
+    try:
+        second.wait_until(lambda: (rec2 / "waiting").exists(), "rank 0 waiting at step 4")
+        tiers = _tiers(second.proc.pid)
+        assert len(tiers) == 1 and os.listdir(tiers[0]), tiers
+        os.kill(second.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while _tiers(second.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _tiers(second.proc.pid)
+    finally:
+        second.kill_all()
+
+
+def test_a_state_that_does_not_fit_turns_the_tier_off_with_one_line(tmp_path):
+    rec = tmp_path / "rec"
+    result = run_cli("run", "--ckpt-memory-every-n-steps", "1", "--ckpt-memory-max-gb",
+                     "0.000001", *TRAIN, "--max-steps", "6", "--name", "small", TASK,
+                     cwd=tmp_path, env=plugin_env(rec), timeout=300)
+    assert result.returncode == 0, result
+    lines = [ln for ln in result.stdout.splitlines() if "memory tier off" in ln]
+    assert len(lines) == 1, result
+    assert "--ckpt-memory-max-gb 1e-06 allows" in lines[0] and "disk only" in lines[0], lines
+    assert (tmp_path / "runs" / "small" / "checkpoints" / "step-6").is_dir()
+
+
+def test_the_newest_step_of_memory_or_disk_is_tried_first():
+    from distrun_safetensors.load import merge_newest
+
+    disk = ["/d/step-10", "/d/step-8"]
+    assert merge_newest(disk, ["/m/step-12", "/m/step-11"]) == [
+        "/m/step-12", "/m/step-11", "/d/step-10", "/d/step-8"]
+    # the same step: memory first (the faster read); an older one right after the disk's newest
+    assert merge_newest(disk, ["/m/step-10", "/m/step-9"]) == [
+        "/m/step-10", "/d/step-10", "/m/step-9", "/d/step-8"]
+    assert merge_newest(disk, ["/m/step-7"]) == ["/d/step-10", "/m/step-7", "/d/step-8"]
+    assert merge_newest([], ["/m/step-3"]) == ["/m/step-3"]
+    assert merge_newest(disk, []) == disk
