@@ -167,13 +167,13 @@ class MemoryCadence:
     def distrun_on_step_end(self, run, step):
         if self.off or step % self.every:
             return
-        from distrun_safetensors.files import CheckpointError
+        from distrun_safetensors.errors import CheckpointError, FencedError
 
         saver = memory_checkpointer(run, self)
         try:
             saver.save(step, run.unwrapped_model(), run.optimizer, run.state_dict(),
                        reason="memory", info=_info(run))
-        except CheckpointError as exc:
+        except (CheckpointError, FencedError) as exc:
             self._turn_off(run, saver, str(exc))
 
     def _turn_off(self, run: Any, saver: Any, why: str) -> None:
