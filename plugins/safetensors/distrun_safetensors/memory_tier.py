@@ -209,14 +209,13 @@ def _info(run: Any) -> dict[str, Any]:
             "progress": run.progress.state_dict(), RUN: run_key(), "tier": "memory"}
 
 
-def memory_checkpointer(run: Any, cadence: MemoryCadence | None = None) -> Any:
+def memory_checkpointer(run: Any, cadence: MemoryCadence) -> Any:
     """This rank's checkpointer of the memory tier (made at its first use)."""
     saver = run.stash.get(_SAVER)
     if saver is None:
         from distrun_safetensors.save import Checkpointer
         from distrun_safetensors.session import _opts
 
-        assert cadence is not None
         saver = Checkpointer(cadence.folder, keep_last=1,
                              split_bytes=int(_opts(run).ckpt_split_mb * (1 << 20)),
                              async_save=True, rdzv_generation=run.generation)

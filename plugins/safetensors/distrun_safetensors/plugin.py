@@ -188,7 +188,6 @@ def distrun_save_checkpoint(run, reason):
 @hookimpl
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
-
     from distrun_safetensors.memory_tier import node_tier, wait_for_memory_save
 
     saver = run.stash.get(_KEY)
