@@ -34,8 +34,11 @@ that ``benchmarks/curves.py`` can time the same restart for larger models.
 Printed: per side, the medians over its successful trials (trials alternate side by side) of
 the recovery (death -> end of the first step after it) and its two parts: detect+respawn
 (death -> the restarted rank 0 process exists) and worker start -> first resumed step (the
-interpreter, imports, process group, model and checkpoint load, one step); the checkpoint load
-time of distrun's loop; the ratios of distrun-run and distrun-run-cold to each torchrun side
+interpreter, imports, process group, model and checkpoint load, one step); the most steps
+redone in a trial (the steps the killed attempt finished that its restart trained again: the
+disk cadence decides them for the disk sides, the memory tier takes them to at most one;
+``BENCH_CKPT_EVERY=10 BENCH_KILL_STEP=47`` shows the difference); the checkpoint load time of
+distrun's loop; the ratios of distrun-run and distrun-run-cold to each torchrun side
 (the same script), the ratio distrun / (torchrun + load) (target <= 1; against torchrun-fix as
 well, since plain torchrun may not succeed at all) and each side's success rate.
 """
@@ -226,8 +229,9 @@ class BenchTask(distrun.Task):
 '''.replace("NET", NET)
 
 
-#: one trial: (success, recovery s, detect+respawn s, worker start -> first step s, load s)
-Trial = tuple[bool, float | None, float | None, float | None, float | None]
+#: one trial: (success, recovery s, detect+respawn s, worker start -> first step s, load s,
+#: steps redone)
+Trial = tuple[bool, float | None, float | None, float | None, float | None, int | None]
 
 
 def _recovery(out: Path) -> tuple[float | None, float | None, float | None]:
@@ -245,6 +249,18 @@ def _recovery(out: Path) -> tuple[float | None, float | None, float | None]:
     except FileNotFoundError:
         return min(after) - death, None, None
     return min(after) - death, started - death, min(after) - started
+
+
+def redone(out: Path) -> int | None:
+    """The steps trained twice: from the first step after the restart to the last one the
+    killed attempt finished (rank 0's record)."""
+    try:
+        steps = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
+    except FileNotFoundError:
+        return None
+    before = [s["step"] for s in steps if s["attempt"] == 0]
+    after = [s["step"] for s in steps if s["attempt"] > 0]
+    return max(before) - min(after) + 1 if before and after else None
 
 
 def prepare(work: Path) -> None:
@@ -301,7 +317,7 @@ def trial(kind: str, work: Path, index: int, extra_env: dict[str, str] | None = 
     if (out / "load.jsonl").exists():
         load = json.loads((out / "load.jsonl").read_text().splitlines()[-1])["seconds"]
     rec, respawn, start = _recovery(out) if ok else (None, None, None)
-    return ok, rec, respawn, start, load
+    return ok, rec, respawn, start, load, redone(out) if ok else None
 
 
 def main(argv: list[str]) -> int:
@@ -326,12 +342,13 @@ def main(argv: list[str]) -> int:
             for kind in sides[i % len(sides):] + sides[:i % len(sides)]:
                 started = time.perf_counter()
                 results[kind].append(trial(kind, work, i))
-                ok, rec, respawn, start, _ = results[kind][-1]
+                ok, rec, respawn, start, _, again = results[kind][-1]
                 parts = (f" (detect+respawn {respawn:.2f} s, start -> step {start:.2f} s)"
                          if respawn is not None and start is not None else "")
                 print(f"  trial {i + 1}/{trials} {kind:<16}: "
                       f"{'ok' if ok else 'FAILED'}"
                       f"{f', recovery {rec:.2f} s' if rec is not None else ''}{parts}"
+                      f"{f', {again} step(s) redone' if again is not None else ''}"
                       f" ({time.perf_counter() - started:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -348,19 +365,26 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _most(values: list[int | None]) -> str:
+    """The largest count of steps redone of the trials ("n/a" without any)."""
+    present = [v for v in values if v is not None]
+    return str(max(present)) if present else "n/a"
+
+
 def _summary(results: dict[str, list[Trial]], trials: int) -> int:
     def show(value: float | None) -> str:
         return f"{value:.2f} s" if value is not None else "n/a"
 
     med = {}
     print(f"medians of the successful trials: {'side':<16} {'recovery':>9} "
-          f"{'detect+respawn':>15} {'start -> step':>14}  success")
+          f"{'detect+respawn':>15} {'start -> step':>14} {'redone':>7}  success")
     for kind, rows in results.items():
         good = [r for r in rows if r[0]]
         med[kind] = median([r[1] for r in good])
         rate = len(good)
         print(f"{'':34}{kind:<16} {show(med[kind]):>9} {show(median([r[2] for r in good])):>15} "
-              f"{show(median([r[3] for r in good])):>14}  {rate}/{trials} "
+              f"{show(median([r[3] for r in good])):>14} "
+              f"{_most([r[5] for r in good]):>7}  {rate}/{trials} "
               f"({100 * rate / trials:.0f}%)")
     for side, target in (("distrun-run", "0.50"), ("distrun-run-cold", "1.00")):
         for base in ("torchrun", "torchrun-fix"):

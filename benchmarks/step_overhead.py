@@ -17,6 +17,12 @@ and the ratio distrun / hand-written (target >= 1.00); best of the repeats and t
 ``--log-every 1000`` takes logging out of the timed steps; ``BENCH_PROFILE=FILE`` dumps a
 cProfile of rank 0's distrun fit.
 
+``--memory-tier [N]`` prices the memory tier of checkpoints: N launches (default 5) of
+distrun's loop under ``distrun run --strategy ddp``, with and without
+``--ckpt-memory-every-n-steps 1`` (a checkpoint of the model and the optimizer's state into
+the node's memory at every step), alternated, on the 5M and 50M models with AdamW. Printed: the
+median steps/s of both and the ratio with / without (target >= 0.95: at most 5% per step).
+
 ``--launches [N]`` compares whole launches instead, as a user would: N launches (default 5) of
 each of (1) the hand-written loop as a plain script under ``torchrun --standalone``, (2) the
 same script under ``distrun run``, (3) distrun's loop (``Trainer.fit``, as above) under
@@ -65,6 +71,16 @@ def mlp(size: str) -> Any:
     return nn.Sequential(*layers)
 
 
+def optimizer(params: Any) -> Any:
+    """Both loops' optimizer: SGD, or AdamW (two more tensors per parameter to checkpoint)
+    with ``BENCH_OPTIM=adamw``."""
+    import torch
+
+    if os.environ.get("BENCH_OPTIM") == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=0.01)
+
+
 def _data(size: str, steps: int) -> Any:
     import torch
 
@@ -85,7 +101,7 @@ def hand_written(size: str, steps: int, warmup: int) -> float:
 
     torch.manual_seed(0)
     model = DDP(mlp(size))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = optimizer(model.parameters())
     data = _data(size, steps)
     sampler = DistributedSampler(data, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=GLOBAL_BATCH // dist.get_world_size(), sampler=sampler,
@@ -111,9 +127,7 @@ class _Task:
         return mlp(self.size)
 
     def configure_optimizer(self, params: Any) -> Any:
-        import torch
-
-        return torch.optim.SGD(params, lr=0.01)
+        return optimizer(params)
 
     def train_data(self) -> Any:
         return _data(self.size, self.steps)
@@ -199,13 +213,17 @@ def launch_worker(kind: str, size: str, steps: int, warmup: int, out: str) -> No
 #: the launches compared by ``--launches``: (1) and (2) run the same script
 KINDS = {"torchrun": "hand-written, torchrun", "distrun-run": "hand-written, distrun run",
          "distrun-loop": "distrun loop, distrun run"}
+#: the launches compared by ``--memory-tier``
+TIER_KINDS = {"distrun-loop": "distrun loop, distrun run",
+              "distrun-memory": "the same, a memory checkpoint every step"}
 
 
 def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) -> float | None:
     """One whole launch of ``kind``; its steps/s, or None (said) when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        loop = "hand" if kind != "distrun-loop" else "distrun"
+        loop = "distrun" if kind.startswith("distrun-loop") or kind == "distrun-memory" \
+            else "hand"
         script = [os.path.abspath(__file__), "--launch-worker", loop, size, str(steps),
                   str(warmup), out]
         if kind == "torchrun":
@@ -214,6 +232,7 @@ def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) 
         else:
             cmd = [sys.executable, "-m", "distrun", "run", "--nproc-per-node", "2",
                    *(["--strategy", "ddp", "--run-dir", tmp] if loop == "distrun" else []),
+                   *(["--ckpt-memory-every-n-steps", "1"] if kind == "distrun-memory" else []),
                    *script]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0 or not os.path.exists(out):
@@ -224,14 +243,12 @@ def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) 
             return float(json.load(fh)["steps_per_s"])
 
 
-def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> bool:
-    """Alternate whole launches of every kind, ``n`` of each per model; print medians, ratios."""
-    print(f"steps/s, separate launches, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss "
-          f"logged every {env['BENCH_LOG_EVERY']} steps; median of {n} launches of each kind, "
-          "alternated launch by launch", flush=True)
+def _alternate(plan: dict[str, tuple[int, int]], kinds: list[str], n: int,
+               env: dict[str, str]) -> tuple[bool, list[tuple[str, dict[str, list[float]]]]]:
+    """``n`` whole launches of every kind per model, alternated launch by launch: whether all
+    succeeded, and each model's steps/s per kind."""
     ok = True
     rows = []
-    kinds = list(KINDS)
     for size, (steps, warmup) in plan.items():
         rates: dict[str, list[float]] = {k: [] for k in kinds}
         for i in range(n):
@@ -242,19 +259,54 @@ def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> b
                     ok = False
                     continue
                 rates[kind].append(rate)
-                print(f"  {size} launch {i + 1}/{n} {kind:<12} {rate:8.1f} steps/s", flush=True)
+                print(f"  {size} launch {i + 1}/{n} {kind:<14} {rate:8.2f} steps/s", flush=True)
         rows.append((size, rates))
+    return ok, rows
+
+
+def _medians(rates: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
+
+
+def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> bool:
+    """Alternate whole launches of every kind, ``n`` of each per model; print medians, ratios."""
+    print(f"steps/s, separate launches, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss "
+          f"logged every {env['BENCH_LOG_EVERY']} steps; median of {n} launches of each kind, "
+          "alternated launch by launch", flush=True)
+    kinds = list(KINDS)
+    ok, rows = _alternate(plan, kinds, n, env)
     print(f"{'model':<10} {'params':>9} " + " ".join(f"{k:>13}" for k in kinds) +
           f" {'run/torchrun':>13} {'loop/torchrun':>14}")
     for size, rates in rows:
         params = sum(p.numel() for p in mlp(size).parameters())
-        med = {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
+        med = _medians(rates)
         print(f"{size:<10} {params:>9,} " + " ".join(f"{med[k]:>13.1f}" for k in kinds) +
               f" {med['distrun-run'] / med['torchrun']:>13.3f}"
               f" {med['distrun-loop'] / med['torchrun']:>14.3f}")
     print("kinds: " + "; ".join(f"{k} = {v}" for k, v in KINDS.items()))
     print("targets: run/torchrun >= 0.99 (the same script, two launchers); "
           "loop/torchrun >= 1.00 (distrun's loop vs the hand-written one)")
+    return ok
+
+
+def memory_tier(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> bool:
+    """The per-step cost of a memory checkpoint at every step: launches with and without."""
+    env = dict(env, BENCH_OPTIM="adamw")
+    print(f"steps/s, separate launches, 2 processes, gloo, AdamW, global batch {GLOBAL_BATCH}; "
+          f"median of {n} launches of each kind, alternated launch by launch", flush=True)
+    kinds = list(TIER_KINDS)
+    ok, rows = _alternate(plan, kinds, n, env)
+    print(f"{'model':<10} {'params':>11} {'state MB':>9} " +
+          " ".join(f"{k:>15}" for k in kinds) + f" {'memory/loop':>12}")
+    for size, rates in rows:
+        params = sum(p.numel() for p in mlp(size).parameters())
+        med = _medians(rates)
+        print(f"{size:<10} {params:>11,} {params * 12 / 1e6:>9.0f} " +
+              " ".join(f"{med[k]:>15.2f}" for k in kinds) +
+              f" {med['distrun-memory'] / med['distrun-loop']:>12.3f}")
+    print("kinds: " + "; ".join(f"{k} = {v}" for k, v in TIER_KINDS.items()))
+    print("state MB: the parameters and AdamW's two moments, fp32 (what each step checkpoints); "
+          "target: memory/loop >= 0.95")
     return ok
 
 
@@ -290,6 +342,8 @@ def main(argv: list[str]) -> int:
                         help="steps between loss logs in both loops (default 10)")
     parser.add_argument("--launches", type=int, nargs="?", const=5, metavar="N",
                         help="compare N separate launches of each kind (default 5)")
+    parser.add_argument("--memory-tier", type=int, nargs="?", const=5, metavar="N",
+                        help="the memory tier's cost per step: N launches with and without")
     parser.add_argument("--launch-worker", nargs=5, metavar=("KIND", "SIZE", "STEPS", "WARMUP",
                                                              "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
@@ -310,6 +364,10 @@ def main(argv: list[str]) -> int:
         plan = {"tiny-50K": (600, 100), "mlp-5M": (40, 8)} if args.quick else \
             {"tiny-50K": (2000, 200), "mlp-5M": (120, 10)}
         return 0 if launches(plan, max(1, args.launches), env) else 1
+    if args.memory_tier is not None:
+        plan = {"mlp-5M": (40, 8), "mlp-50M": (12, 3)} if args.quick else \
+            {"mlp-5M": (120, 10), "mlp-50M": (30, 5)}
+        return 0 if memory_tier(plan, max(1, args.memory_tier), env) else 1
     print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss logged every "
           f"{args.log_every} steps; best (median) of {repeats} alternating repeats")
     print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")

@@ -9,6 +9,11 @@ save cut short is never loaded), written in the background while training goes o
 checkpoints (``--ckpt-every-n-steps``, the end's) stay the durable copy; a resume takes the
 newest committed checkpoint of either place.
 
+The saves copy the state straight into their files (:mod:`~distrun_safetensors.in_place`): two
+copies of it held, no buffers. A disk checkpoint of the cadence is written from the tier's copy
+of its step (:func:`memory_snapshot`), in the background. A step's commit is waited for before
+the next step is applied, so a kill at any moment redoes at most one finished step.
+
 Two halves:
 
 - :class:`MemoryTier`, the node service (launcher side, torch-free): makes the folder at its
@@ -17,7 +22,8 @@ Two halves:
   kill -9 of the launcher; folders of launchers that are gone are swept at the next start.
 - :class:`MemoryCadence`, the worker's hooks: a save every N steps into the folder, with the
   room checked at the first one (too little memory turns the tier off with one line; the run
-  goes on with its disk checkpoints, never out of memory mid-run).
+  goes on with its disk checkpoints, never out of memory mid-run), and the wait for the
+  commit before the next optimizer step.
 
 One node for now: a run over several nodes keeps its disk checkpoints only (said once), and
 so does a run under ``--ft`` (its replica groups heal from a live peer).
@@ -38,13 +44,15 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl, reaped
 
-__all__ = ["ENV", "MemoryCadence", "MemoryTier", "node_tier", "start_tier", "tier_dir"]
+__all__ = ["ENV", "MemoryCadence", "MemoryTier", "memory_snapshot", "node_tier", "start_tier",
+           "tier_dir"]
 
 #: the variable that names the tier's folder to the workers
 ENV = "DISTRUN_CKPT_MEMORY_DIR"
 _PREFIX = "distrun-ckpt-memory-"
-#: the tier's checkpointer (a worker's)
+#: the tier's checkpointer and cadence (a worker's)
 _SAVER: StashKey[Any] = StashKey("safetensors.memory")
+_CADENCE: StashKey[Any] = StashKey("safetensors.memory.cadence")
 
 
 def _memory_root() -> str:
@@ -135,41 +143,63 @@ def _size(n: float) -> str:
 class MemoryCadence:
     """Saves into the memory tier every ``every`` steps (each rank holds one)."""
 
-    def __init__(self, every: int, folder: str, max_gb: float) -> None:
-        self.every, self.folder, self.max_gb = every, folder, max_gb
+    def __init__(self, every: int, folder: str, max_gb: float, copies: int = 2) -> None:
+        self.every, self.folder, self.max_gb, self.copies = every, folder, max_gb, copies
         self.off = False
         self.checked = False
+        self.saved: int | None = None  # the step of the last save
 
     def room(self, local_world: int) -> Any:
         """The check of the first save: its bytes (this rank's share) -> a refusal or None.
 
-        Two copies of the state are held while a save commits (the new one and the one it
-        replaces), and the async save keeps one more in each rank's buffers.
+        ``copies`` of the state are held: the newest committed checkpoint and the one being
+        written (the saves copy straight into their files: no buffers, see in_place.py), and
+        one more while a disk save writes from the tier's copy for longer than a step.
         """
 
         def check(nbytes: int) -> str | None:
             if self.checked:
                 return None
             self.checked = True
-            need = nbytes * local_world * 3
+            need = nbytes * local_world * self.copies
             free = _free_bytes(self.folder)
             limit = min(free, int(self.max_gb * (1 << 30))) if self.max_gb else free
             if need <= limit:
                 return None
             what = f"--ckpt-memory-max-gb {self.max_gb:g} allows" if self.max_gb and \
                 limit < free else f"{os.path.dirname(self.folder)} has {_size(free)} free"
-            return (f"it needs about {_size(need)} (two copies of this node's state and the "
-                    f"save's buffers) and {what}")
+            copies = {2: "two", 3: "three"}.get(self.copies, str(self.copies))
+            return (f"it needs about {_size(need)} ({copies} copies of this node's state) and "
+                    f"{what}")
 
         return check
 
     @hookimpl(trylast=True)  # after the step's other hooks, as the disk cadence saves
     def distrun_on_step_end(self, run, step):
-        if self.off or step % self.every:
-            return
+        if not self.off and step % self.every == 0 and self.saved != step:
+            self.save(run, step)
+
+    @hookimpl(wrapper=True)
+    def distrun_optimizer_step(self, run):
+        """The save of the step before is committed before this step is applied, so a kill at
+        any moment redoes at most one finished step (the wait is nothing when the commit kept
+        up with the step's forward and backward)."""
+        saver = run.stash.get(_SAVER)
+        if saver is not None and saver.pending is not None and not self.off:
+            from distrun_safetensors.errors import CheckpointError, FencedError
+
+            try:
+                saver.wait()
+            except (CheckpointError, FencedError) as exc:
+                self._turn_off(run, saver, str(exc))
+        return (yield)
+
+    def save(self, run: Any, step: int) -> None:
+        """Save ``step`` into the tier (every rank together); a failure turns the tier off."""
         from distrun_safetensors.errors import CheckpointError, FencedError
 
         saver = memory_checkpointer(run, self)
+        self.saved = step
         try:
             saver.save(step, run.unwrapped_model(), run.optimizer, run.state_dict(),
                        reason="memory", info=_info(run))
@@ -218,10 +248,24 @@ def memory_checkpointer(run: Any, cadence: MemoryCadence) -> Any:
 
         saver = Checkpointer(cadence.folder, keep_last=1,
                              split_bytes=int(_opts(run).ckpt_split_mb * (1 << 20)),
-                             async_save=True, rdzv_generation=run.generation)
+                             async_save=True, rdzv_generation=run.generation, in_place=True)
         saver.room_check = cadence.room(_local_world(run))
         run.stash[_SAVER] = saver
     return saver
+
+
+def memory_snapshot(run: Any) -> Any:
+    """The memory tier's copy of this step for a disk save to write from (a
+    :class:`~distrun_safetensors.in_place.Snapshot`, pinned until that write is done), saved
+    into the tier now if its cadence has not this step; None without the tier."""
+    cadence = run.stash.get(_CADENCE)
+    if cadence is None or cadence.off:
+        return None
+    step = run.progress.step
+    if cadence.saved != step:
+        cadence.save(run, step)
+    saver = run.stash.get(_SAVER)
+    return saver.snapshot(step) if saver is not None and not cadence.off else None
 
 
 def wait_for_memory_save(run: Any) -> None:
@@ -257,4 +301,9 @@ def start_tier(run: Any, every: int, max_gb: float) -> None:
         from distrun_safetensors.leftovers import sweep_stale
 
         sweep_stale(folder, timeout=run.config.timeout)
-    run.add_hooks(MemoryCadence(every, folder, max_gb))
+    from distrun_safetensors.session import _opts
+
+    opts = _opts(run)  # a disk cadence writes from the tier's copy: one more held meanwhile
+    copies = 3 if opts.ckpt_every_n_steps or opts.ckpt_every_n_seconds else 2
+    run.stash[_CADENCE] = cadence = MemoryCadence(every, folder, max_gb, copies)
+    run.add_hooks(cadence)

@@ -164,9 +164,17 @@ def distrun_save_checkpoint(run, reason):
     best = run.stash.get(_BEST)
     if best is not None:
         record, retention = best.before_save(saver, run.progress.step, reason)
+    # with the memory tier, the cadence's disk copy is written from the tier's, taken at the
+    # same point of the step (in the background): the state is not copied again. Other saves
+    # (the end's, a best one, the user's, a preemption's) write the state as it is now.
+    snapshot = None
+    if reason == "step" and _opts(run).ckpt_memory_every_n_steps:
+        from distrun_safetensors.memory_tier import memory_snapshot
+
+        snapshot = memory_snapshot(run)
     path = saver.save(run.progress.step, run.unwrapped_model(), run.optimizer,
                       run.state_dict(), reason=reason, info=info, record=record,
-                      retention=retention, owners=held_released)
+                      retention=retention, owners=held_released, snapshot=snapshot)
     run.stash[_LAST_SAVE] = time.monotonic()
     if run.is_global_zero:
         stats = saver.stats
@@ -175,6 +183,9 @@ def distrun_save_checkpoint(run, reason):
         elif stats.get("tagged"):
             run.log.info("Checkpoint %s (%s): already saved at this step; its manifest now "
                          "records %s=%.6g", path, reason, record["name"], record["value"])
+        elif stats.get("from_snapshot"):
+            run.log.info("Checkpoint %s (%s): written from the memory tier's copy in the "
+                         "background", path, reason)
         elif stats.get("write_s") is None:  # async: training goes on while it is written
             waited = (f", of which {stats['waited_s'] * 1e3:.0f} ms waiting for the previous "
                       "write") if stats["waited_s"] >= 0.001 else ""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from distrun_safetensors.files import write_json, write_safetensors
+from distrun_safetensors.in_place import finish
 from distrun_safetensors.manifest import FORMAT, data_file, state_files
 from distrun_safetensors.pieces import tensor_bytes
 from distrun_safetensors.statecodec import encode
@@ -84,9 +85,12 @@ def _write_files(job: dict[str, Any], tmp: str, current: list[str]) -> dict[str,
         fname = data_file(kind, rank, world)
         entries = [(p.key, p.dtype, list(p.tensor.shape), p.nbytes) for p in mine]
         current.append(os.path.join(tmp, fname))
-        files[fname] = write_safetensors(current[-1], entries,
-                                         (tensor_bytes(p.tensor) for p in mine),
-                                         {"format": "pt", "producer": FORMAT})
+        if fname in job.get("mapped", ()):  # copied into the file already (in_place.py)
+            files[fname] = finish(*job["mapped"][fname])
+        else:
+            files[fname] = write_safetensors(current[-1], entries,
+                                             (tensor_bytes(p.tensor) for p in mine),
+                                             {"format": "pt", "producer": FORMAT})
         for p in mine:
             d = described[kind].setdefault(p.name, {
                 "tensor": {"dtype": p.dtype, "shape": p.global_shape, "layout": p.layout},

@@ -32,6 +32,7 @@ from distrun_safetensors.fence import (
     draw_generation,
 )
 from distrun_safetensors.files import CheckpointError
+from distrun_safetensors.in_place import InPlace, Snapshot
 from distrun_safetensors.leftovers import LOCK_SUFFIX, claim
 from distrun_safetensors.manifest import MONITOR, read_latest
 from distrun_safetensors.pieces import Piece, is_dtensor, plan_pieces
@@ -58,7 +59,9 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep_last: int = 0, split_bytes: int = 4 << 20,
                  async_save: bool = False, rdzv_generation: int = 0,
-                 lock_stale_after: float = STALE_AFTER) -> None:
+                 lock_stale_after: float = STALE_AFTER, in_place: bool = False) -> None:
+        if in_place and (not async_save or keep_last != 1):
+            raise ValueError("in-place saves are async and keep the last checkpoint only")
         self.directory = directory
         self.rdzv_generation = rdzv_generation
         self.lock_stale_after = lock_stale_after
@@ -71,6 +74,9 @@ class Checkpointer:
         self._pruner: threading.Thread | None = None  # rank 0: removing old checkpoints
         self._error: BaseException | None = None
         self._staging: dict[str, torch.Tensor] = {}  # async: CPU copies, reused between saves
+        #: async, ``in_place``: the snapshot goes straight into the files (see in_place.py)
+        self.in_place = in_place
+        self._in_place: InPlace | None = None
         #: the last save: ``{"step", "stall_s", "waited_s", "write_s"}``: the time the caller was
         #: held (of which ``waited_s`` waiting for the previous async write) and the time to
         #: write and commit (None while an async write is in flight). ``on_written(stats)`` is
@@ -90,7 +96,8 @@ class Checkpointer:
              state: Mapping[str, Any] | None = None, reason: str = "user",
              info: Mapping[str, Any] | None = None, *, record: Mapping[str, Any] | None = None,
              retention: Retention | None = None,
-             owners: tuple[frozenset[str], frozenset[str]] | None = None) -> str:
+             owners: tuple[frozenset[str], frozenset[str]] | None = None,
+             snapshot: Snapshot | None = None) -> str:
         """Write a checkpoint of ``step``; every rank calls this together. Returns its path.
 
         With ``async_save`` the tensors are copied to CPU memory here and written by a
@@ -102,12 +109,18 @@ class Checkpointer:
         (rank 0) updates the ``best`` pointer and keeps the top k when pruning. ``owners``
         (rank 0): the folders checkpoint callbacks keep, and those their writers let go
         (see :func:`~distrun_safetensors.callback.owners`), for the pruning after the commit.
+
+        ``snapshot``: this step's tensors as another checkpointer's in-place save holds them
+        (:meth:`snapshot`, the memory tier's): the save writes from them in the background,
+        async or not, instead of copying the state, and releases them when it is written.
         """
         started = time.perf_counter()
         self.wait()  # the previous async write: its buffers are about to be reused
         waited = time.perf_counter() - started
         final = os.path.join(self.directory, f"step-{step}")
         if self.last is not None and self.last[0] == step and os.path.isdir(self.last[1]):
+            if snapshot is not None:
+                snapshot.release()
             if record is not None:
                 self._tag(self.last[1], dict(record), retention, owners)
                 seconds = time.perf_counter() - started
@@ -133,11 +146,13 @@ class Checkpointer:
                 tmp = {"error": f"cannot create a folder in {self.directory} ({_said(exc)})",
                        "full": _is_full(exc)}
         tmp = comm.broadcast(tmp)
+        if isinstance(tmp, dict) and snapshot is not None:
+            snapshot.release()
         if isinstance(tmp, dict):
             hint = self._room_hint() if tmp.get("full") else ""
             raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}{hint}")
         job: dict[str, Any] = {}
-        error = None
+        error = views = None
         try:
             job = self._collect(rank, world, model, optimizer, state, step, reason, info)
             job["retention"] = retention
@@ -146,9 +161,21 @@ class Checkpointer:
                 nbytes = sum(p.nbytes for _, p in job["pieces"]) + sum(
                     t.numel() * t.element_size() for t in job["state_tensors"].values())
                 error = self.room_check(nbytes)
+            if error is None and self.in_place:  # the snapshot, into this save's files
+                if self._in_place is None:
+                    self._in_place = InPlace(self.directory, rank)
+                job["mapped"] = self._in_place.stage(job, tmp,
+                                                      self.last[0] if self.last else None)
+            if snapshot is not None:
+                views = _from_snapshot(job["pieces"], snapshot)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
         error = comm.agree(error)  # every rank fails together, before any file is written
+        if snapshot is not None:  # written from it on every rank, or on none
+            if not error and comm.agree(None if views is not None else "stage") is None:
+                job["pieces"], job["release"] = views, snapshot.release
+            else:
+                snapshot.release()
         if error:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -161,24 +188,30 @@ class Checkpointer:
             except (OSError, CheckpointError) as exc:  # said by the commit, to every rank
                 job["error"] = f"cannot draw a generation in {self.directory} ({_said(exc)})"
                 job["full"] = _is_full(exc)
-        if not self.async_save:
+        if not self.async_save and "release" not in job:
             self._write_and_commit(job, tmp, final, None)
             seconds = time.perf_counter() - started
             self.stats = {"step": step, "stall_s": seconds, "waited_s": waited,
                           "write_s": seconds}
             return final
-        job["pieces"] = self._stage(job["pieces"])
+        if not self.in_place and "release" not in job:
+            job["pieces"] = self._stage(job["pieces"])
         if self._group is None and comm.active():
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")
         self.pending = (step, final)
         self.stats = {"step": step, "stall_s": time.perf_counter() - started,
-                      "waited_s": waited, "write_s": None}
+                      "waited_s": waited, "write_s": None, "from_snapshot": "release" in job}
         self._thread = threading.Thread(target=self._background, name="distrun-ckpt-save",
                                         args=(job, tmp, final), daemon=True)
         self._thread.start()
         return final
+
+    def snapshot(self, step: int) -> Snapshot | None:
+        """This rank's tensors of the in-place save of ``step`` (the last one), for another
+        checkpointer to write from (``save(snapshot=...)``); None when there is none."""
+        return self._in_place.snapshot(step) if self._in_place is not None else None
 
     def committed(self, step: int) -> str | None:
         """The folder of ``step`` if this checkpointer committed it (a save of ``step`` would
@@ -257,6 +290,9 @@ class Checkpointer:
         except BaseException as exc:  # re-raised on the main thread by wait()
             self._error = exc
             return
+        finally:
+            if "release" in job:  # the snapshot written from is free to be written over
+                job["release"]()
         self.stats["write_s"] = time.perf_counter() - started
         if self.on_written is not None:
             self.on_written(dict(self.stats, path=final))
@@ -301,6 +337,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {job['step']} was not saved: "
                                   f"{outcome['error']}")
         self.last = (job["step"], final)
+        if self._in_place is not None:
+            self._in_place.keep(job["step"], final, job.get("mapped", {}))
 
     def _commit(self, job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
                 final: str) -> dict[str, Any]:
@@ -352,6 +390,20 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 os.unlink(tmp + LOCK_SUFFIX)
             os.close(fd)
+
+
+def _from_snapshot(pieces: list[tuple[str, Piece]], snapshot: Snapshot) -> list[
+        tuple[str, Piece]] | None:
+    """``pieces`` with their tensors taken from ``snapshot``; None unless every one is there
+    with its dtype and shape (another layout: the save copies the live tensors)."""
+    out = []
+    for kind, p in pieces:
+        held = snapshot.tensors.get((kind, p.key))
+        if held is None or held.dtype != p.tensor.dtype or held.shape != p.tensor.shape:
+            return None
+        out.append((kind, Piece(p.name, p.key, p.dtype, p.global_shape, p.offsets, held,
+                                p.layout)))
+    return out
 
 
 #: a write that failed for want of room: the user's to fix (free space, another --ckpt-dir)

@@ -40,9 +40,10 @@ def _tiers(pid: int) -> list[str]:
 @pytest.mark.timeout(600)
 def test_a_killed_rank_resumes_from_memory_at_the_newest_step(tmp_path, reference):
     """Disk checkpoints every 10 steps, memory every step: rank 1 killed at the end of step 13
-    costs at most the steps since the newest memory commit (12, or 11 while 12's commit was
-    in flight), not the 3 since the disk's step 10; the run ends bit-equal to the
-    uninterrupted run and leaves nothing in /dev/shm."""
+    redoes one step, from the memory's step 12 (committed before step 13 was applied), not
+    the 3 since the disk's step 10; the run ends bit-equal to the
+    uninterrupted run and leaves nothing in /dev/shm. The disk's cadence checkpoints are
+    written from the tier's copy, and a run resumed from one ends bit-equal too."""
     rec = tmp_path / "rec"
     result = run_cli("run", "--max-restarts", "1", "--ckpt-every-n-steps", "10",
                      "--ckpt-memory-every-n-steps", "1", *TRAIN, "--name", "mem", TASK,
@@ -52,13 +53,23 @@ def test_a_killed_rank_resumes_from_memory_at_the_newest_step(tmp_path, referenc
     assert "memory tier off" not in result.stdout + result.stderr, result
     resumed = _starts(rec)[(1, 0)]
     assert resumed["resumed_from"].startswith(MEMORY), resumed
-    assert resumed["step"] in (11, 12), resumed
+    assert resumed["step"] == 12, resumed
     assert _starts(rec)[(1, 1)]["step"] == resumed["step"]
     # the disk holds the durable copies only: its cadence's, and the end's
     disk = sorted(p.name for p in (tmp_path / "runs" / "mem" / "checkpoints").glob("step-*"))
     assert disk == ["step-20", "step-30", "step-36"], disk
     _assert_same(rec, reference)
     assert not os.path.exists(os.path.dirname(resumed["resumed_from"]))
+    for step in (20, 30):
+        assert f"step-{step} (step): written from the memory tier's copy" in result.stdout, \
+            result
+    again = tmp_path / "again"
+    result = run_cli("run", *TRAIN, "--name", "again", "--resume",
+                     "runs/mem/checkpoints/step-30", TASK, cwd=tmp_path, env=plugin_env(again),
+                     timeout=300)
+    assert result.returncode == 0, result
+    assert _starts(again)[(0, 0)]["step"] == 30
+    _assert_same(again, reference)
 
 
 @pytest.mark.timeout(600)
@@ -80,6 +91,10 @@ def test_a_damaged_memory_copy_falls_back_to_the_disk_and_a_killed_launcher_leav
         latest = Path(tiers[0]) / "latest"  # a file naming the newest committed step
         launcher.wait_until(lambda: latest.exists() and latest.read_text().strip() == "step-5",
                             "step 5 committed in memory")
+        # the disk's step 4 is written from the memory's copy in the background
+        disk = tmp_path / "runs" / "bad" / "checkpoints" / "latest"
+        launcher.wait_until(lambda: disk.exists() and disk.read_text().strip() == "step-4",
+                            "step 4 committed on the disk")
         data = sorted(newest.glob("model-*.safetensors"))[0]
         raw = bytearray(data.read_bytes())
         raw[-1] ^= 0xFF

@@ -174,6 +174,76 @@ def test_async_saves_reuse_their_buffers_and_hold_each_snapshot(tmp_path):
         assert compare(full_state(fresh, fresh_opt), want) == [], step
 
 
+def test_in_place_saves_write_the_same_files_into_two_copies_at_most(tmp_path):
+    """The memory tier's saves (in_place.py) copy the snapshot straight into the files: the
+    bytes of an ordinary save, each step's snapshot intact while training goes on, and no
+    more than two copies of the data at any time (the newest committed one and the one being
+    written, whose files are recycled)."""
+    model, opt = build("plain")
+    in_place = Checkpointer(str(tmp_path / "mem"), keep_last=1, async_save=True,
+                            split_bytes=16, in_place=True)
+    plain = Checkpointer(str(tmp_path / "disk"), keep_last=1, async_save=True, split_bytes=16)
+    inodes: set[int] = set()
+    for step in range(1, 6):
+        train_step(model, opt, step)
+        want = full_state(model, opt)
+        for saver in (in_place, plain):
+            saver.save(step, model, opt, {"progress": {"step": step}})
+        train_step(model, opt, step + 100)  # training goes on while the writes are in flight
+        in_place.wait()
+        plain.wait()
+        mem, disk = tmp_path / "mem" / f"step-{step}", tmp_path / "disk" / f"step-{step}"
+        data = sorted(n.name for n in disk.glob("*.safetensors"))
+        assert data == sorted(n.name for n in mem.glob("*.safetensors"))
+        for name in data:
+            assert (mem / name).read_bytes() == (disk / name).read_bytes(), (step, name)
+        inodes |= {os.stat(mem / name).st_ino for name in data if name.startswith(("model-",
+                                                                                  "optim-"))}
+        fresh, fresh_opt = build("plain", seed=7)
+        assert load(str(mem), fresh, fresh_opt).step == step
+        assert compare(full_state(fresh, fresh_opt), want) == [], step
+    assert not in_place._staging  # no buffers
+    assert len(inodes) == 2 * 2  # the model's and the optimizer's file, two of each
+
+
+def test_a_disk_save_writes_from_the_in_place_snapshot_which_no_save_overwrites_meanwhile(
+        tmp_path):
+    """A disk save given the memory tier's snapshot of its step writes the same files as one
+    that copies the live state, in the background; while a snapshot is held (pinned), later
+    in-place saves take fresh files instead of writing over it, and its files are let go
+    once it is released."""
+    model, opt = build("plain")
+    memory = Checkpointer(str(tmp_path / "mem"), keep_last=1, async_save=True, split_bytes=16,
+                          in_place=True)
+    disk = Checkpointer(str(tmp_path / "disk"), keep_last=0, split_bytes=16)
+    plain = Checkpointer(str(tmp_path / "plain"), keep_last=0, split_bytes=16)
+    for step in (1, 2):
+        train_step(model, opt, step)
+        memory.save(step, model, opt, {"progress": {"step": step}})
+    held = memory.snapshot(2)
+    assert held is not None and memory.snapshot(1) is None  # the last save's only
+    want = full_state(model, opt)
+    plain.save(2, model, opt, {"progress": {"step": 2}})
+    for step in (3, 4, 5):  # training and the tier go on while the disk write would run
+        train_step(model, opt, step)
+        memory.save(step, model, opt, {"progress": {"step": step}})
+    memory.wait()
+    spares = tmp_path / "mem" / ".spare-0"
+    assert any(n.name.startswith("2-") for n in spares.iterdir())  # kept by the pin
+    disk.save(2, model, opt, {"progress": {"step": 2}}, snapshot=held)
+    assert disk.stats["from_snapshot"] and disk.stats["write_s"] is None  # in the background
+    disk.wait()
+    for name in sorted(p.name for p in (tmp_path / "plain" / "step-2").glob("*.safetensors")):
+        if name.startswith(("model-", "optim-")):
+            assert (tmp_path / "disk" / "step-2" / name).read_bytes() == \
+                (tmp_path / "plain" / "step-2" / name).read_bytes(), name
+    fresh, fresh_opt = build("plain", seed=7)
+    load(str(tmp_path / "disk" / "step-2"), fresh, fresh_opt)
+    assert compare(full_state(fresh, fresh_opt), want) == []
+    assert not any(n.name.startswith("2-") for n in spares.iterdir())  # released: let go
+    assert len(list(spares.iterdir())) == 2 * 2  # two steps' model and optimizer files
+
+
 def test_auto_with_nothing_returns_none(tmp_path):
     model, opt = build("plain")
     assert load("auto", model, opt, ckpt_dir=str(tmp_path / "none")) is None
