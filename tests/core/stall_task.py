@@ -3,12 +3,14 @@ of the step, for the stall tests: ``STALL_IN`` = ``step`` (training_step), ``dat
 dataset), ``validation`` (validation_step) or ``checkpoint`` (:mod:`stall_plugin`'s state,
 read while a checkpoint is saved). The hang is a sleep; ``STALL_MARK``: the file the rank
 writes the time it started hanging to. With ``STALL_ONCE`` only the first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0) hangs. ``SLOW_MS``: that rank's training_step takes this
+(``TORCHELASTIC_RESTART_COUNT`` 0) hangs; with ``STALL_HOW=stop`` the rank stops itself
+(SIGSTOP) instead of sleeping. ``SLOW_MS``: that rank's training_step takes this
 many milliseconds longer at every step instead (a straggler)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -30,6 +32,8 @@ def hang_here(part: str) -> None:
         return
     with open(os.environ["STALL_MARK"], "w") as fh:
         fh.write(repr(time.time()))
+    if os.environ.get("STALL_HOW") == "stop":  # a process that answers nothing, not even
+        os.kill(os.getpid(), signal.SIGSTOP)   # a question of another node's watcher
     time.sleep(600)  # stands for a deadlock
 
 

@@ -12,7 +12,10 @@ the stall's key, collects the other nodes' for a few seconds, and writes them al
 A rank that waits in a collective releases the GIL, so its thread runs; a stopped rank or one
 that holds the GIL in C cannot answer, and the watcher asks the next. The store is where the
 ranks rendezvoused (rank 0's, or the elastic agent's): while it answers, the nodes' reports
-meet there.
+meet there. It may not answer for long once a watcher goes on: ``--on-stall stop`` ends that
+node's workers, rank 0 and its store among them. So no rank hands its watcher the reports
+before every node that published has read the others' (each marks it in the store), within
+the time a watcher waits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from distrun._diagnose.watcher import COLLECT
 __all__ = ["KEY_PREFIX", "serve_exchange"]
 
 KEY_PREFIX = "distrun/stall"
+#: of the seconds a rank collects, those left for the other nodes to read what it collected
+READ = 3.0
 
 
 def serve_exchange(folder: str, rank: int, environ: dict[str, str] | None = None) -> bool:
@@ -78,14 +83,20 @@ def _answer(key: str, folder: str, env: dict[str, str]) -> None:
              f"{env.get('DISTRUN_RDZV_GENERATION', '')}/{key}"
     store.set(f"{prefix}/{node}", mine)
     got: dict[int, Any] = {node: json.loads(mine)}
-    deadline = time.monotonic() + COLLECT
-    while len(got) < nnodes and time.monotonic() < deadline:
+    started = time.monotonic()
+    while len(got) < nnodes and time.monotonic() < started + COLLECT - READ:
         for other in range(nnodes):
             name = f"{prefix}/{other}"
             if other not in got and store.check([name]):
                 got[other] = json.loads(store.get(name))
         if len(got) < nnodes:
             time.sleep(0.1)
+    # every node that published reads the others' before any watcher goes on and ends its
+    # workers (the store may end with them)
+    store.set(f"{prefix}/read/{node}", "1")
+    marks = [f"{prefix}/read/{other}" for other in got]
+    while not store.check(marks) and time.monotonic() < started + COLLECT:
+        time.sleep(0.05)
     out = os.path.join(folder, f"reports-{key}.json")
     with open(out + ".tmp", "w") as fh:
         json.dump({str(k): v for k, v in got.items()}, fh)

@@ -91,9 +91,11 @@ def _step_of(pos: Position) -> int:
 
 
 def summarize(views: list[RankView], now: float, evidence: str = "",
-              title: str = "stall") -> str:
+              title: str = "stall", unseen: str = "") -> str:
     """One line: the culprits first, then what the others do, then where the stacks are.
-    ``title``: ``stall`` (the watcher's), else a look at a run that may be moving."""
+    ``title``: ``stall`` (the watcher's), else a look at a run that may be moving.
+    ``unseen``: the nodes whose ranks are missing from ``views`` (they did not report), said
+    in the line; no rank is then called "not behind" on the evidence of the others alone."""
     views = sorted(views, key=lambda v: v.rank)
     placed = [v.position for v in views if v.position is not None]
     head = title
@@ -101,7 +103,7 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
         head = f"{title} after collective #{min(p.seq for p in placed)}"
     elif placed:
         head = f"{title} at step {min(_step_of(p) for p in placed)}"
-    culprits, why = _culprits(views, stalled=title == "stall")
+    culprits, why = _culprits(views, stalled=title == "stall" and not unseen)
     others = [v for v in views if v not in culprits]
     parts = [f"{v.who()} {v.doing(now)}" for v in culprits]
     if why:
@@ -112,6 +114,9 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
             verb, _, rest = doing.partition(" ")
             doing = f"{_PLURAL.get(verb, verb)} {rest}"
         parts.append(f"{_ranks(group)} {doing}")
+    if unseen:
+        parts.append(f"the ranks of node {unseen} are not seen here (its report did not come "
+                     "in time; that node's launcher prints its own line)")
     tail = f"; stacks: {evidence}" if evidence else ""
     return f"{head}: " + "; ".join(parts) + tail
 

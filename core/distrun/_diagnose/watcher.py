@@ -159,10 +159,11 @@ class StallWatcher:
             self._thread.join(timeout=10.0)
         self._thread = None
 
-    def _across_nodes(self, group: Any, views: list[RankView], nnodes: int) -> list[RankView]:
+    def _across_nodes(self, group: Any, views: list[RankView], nnodes: int,
+                      ) -> tuple[list[RankView], str]:
         """Every node's views: this node's report handed to its ranks, which share it
         through the run's store (:mod:`distrun._diagnose.exchange`); this node's alone when
-        no rank answers in time."""
+        no rank answers in time. And the nodes that did not report ("0", "0,2"; "": none)."""
         key = str(self.count)
         folder = group.positions
         with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
@@ -190,7 +191,9 @@ class StallWatcher:
         others = [v for node, report in sorted(reports.items())
                   if int(node) != group.ranks.node_rank for v in views_of(report, now)
                   if v.rank not in mine]
-        return sorted(views + others, key=lambda v: v.rank)
+        unseen = ",".join(str(n) for n in range(nnodes)
+                          if n != group.ranks.node_rank and str(n) not in reports)
+        return sorted(views + others, key=lambda v: v.rank), unseen
 
     def _watch(self, group: Any, stop: threading.Event) -> None:
         last: dict[int, Position] = {}
@@ -231,17 +234,18 @@ class StallWatcher:
         views = diagnose_group(group.positions, ranks, self.host)
         self.count += 1
         nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
+        unseen = ""
         if nnodes > 1:
-            views = self._across_nodes(group, views, nnodes)
+            views, unseen = self._across_nodes(group, views, nnodes)
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
         folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
                                  count=self.count)
         now = time.monotonic()
-        line = summarize(views, now, evidence=folder + os.sep)
+        line = summarize(views, now, evidence=folder + os.sep, unseen=unseen)
         try:
             write_evidence(folder, views, line, now)
         except OSError as exc:
-            line = summarize(views, now) + f" (stacks not kept: {exc.strerror})"
+            line = summarize(views, now, unseen=unseen) + f" (stacks not kept: {exc.strerror})"
         self.summary = line
         word = "warning" if self.wait_on else "error"
         lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()

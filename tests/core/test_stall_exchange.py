@@ -1,0 +1,42 @@
+"""Across nodes, the stall watchers' reports meet in the run's store
+(:mod:`distrun._diagnose.exchange`). A watcher that has every node's report goes on, and under
+``--on-stall stop`` ends its workers, the store's host among them: so no rank hands its watcher
+the reports before every node that published has read the others'."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import torch.distributed as dist
+
+from distrun._diagnose import exchange
+
+
+def _env(port: int, node: int) -> dict[str, str]:
+    return {"GROUP_WORLD_SIZE": "2", "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+            "DISTRUN_RDZV_GENERATION": "3"}
+
+
+def test_a_node_holds_its_watcher_until_the_other_node_read_its_report(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    folder = tmp_path / "node0"
+    folder.mkdir()
+    (folder / "node-1.json").write_text(json.dumps({"seen": [0]}))
+    node0 = threading.Thread(target=exchange._answer, args=("1", str(folder),
+                                                            _env(store.port, 0)))
+    node0.start()
+    prefix = f"{exchange.KEY_PREFIX}/0/3/1"
+    store.set(f"{prefix}/1", json.dumps({"seen": [1]}))  # node 1 published, has not read
+    node0.join(timeout=1.5)
+    assert node0.is_alive()  # its watcher would stop the workers and perhaps the store
+    assert not (folder / "reports-1.json").exists()
+    store.set(f"{prefix}/read/1", "1")  # node 1 has node 0's report now
+    node0.join(timeout=10)
+    assert not node0.is_alive()
+    assert json.loads((folder / "reports-1.json").read_text()) == {"0": {"seen": [0]},
+                                                                    "1": {"seen": [1]}}
+    assert store.check([f"{prefix}/read/0"])  # and it told node 1 it read its report
