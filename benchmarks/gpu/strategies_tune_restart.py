@@ -186,7 +186,7 @@ def lane_restart(res: Result, out: Path, dry: bool) -> None:
                 res.note(f"{side}: not run (time budget)")
                 continue
             t0 = time.monotonic()
-            ok, rec, respawn, start, load = recovery.trial(
+            ok, rec, respawn, start, load, _ = recovery.trial(
                 side, work, 0, extra, timeout=min(res.left() - 5, 150))
             rows[side] = {"ok": ok, "recovery_s": rec, "detect_respawn_s": respawn,
                           "start_to_step_s": start, "load_s": load,

@@ -241,8 +241,11 @@ class DistrunAgent(LocalElasticAgent):
             lost = self.liveness.lost()
             if lost and self.root_cause is None:
                 return self._lose(worker_group, lost)
-        self._stop_siblings_of_failure(worker_group)
-        result = self._result(worker_group)
+        # one look at the workers' exits for both: with two, a rank that died between them
+        # failed the attempt with no root cause, and it restarted without a word
+        codes = self.group.poll() if self.group is not None else []
+        self._stop_siblings_of_failure(codes)
+        result = self._result(codes)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self.root_cause and self.root_cause[1] == EXIT_REQUEUE and \
                 _nodes_waiting(worker_group) > 0:
@@ -288,12 +291,12 @@ class DistrunAgent(LocalElasticAgent):
                  f"{worker_group.spec.max_restarts})")
         return RunResult(state=WorkerState.FAILED)
 
-    def _result(self, worker_group: Any) -> RunResult:
-        """The attempt's state from its workers' exits, as torch's agent reports it."""
+    def _result(self, codes: list[int | None]) -> RunResult:
+        """The attempt's state from its workers' exits ``codes``, as torch's agent reports
+        it."""
         group = self.group
         if group is None:
             return RunResult(state=WorkerState.UNKNOWN)
-        codes = group.poll()
         failures = {
             w.rank: ProcessFailure(local_rank=w.local_rank, pid=w.proc.pid, exitcode=code,
                                    error_file=group.error_file(w.rank) or "")
@@ -310,11 +313,12 @@ class DistrunAgent(LocalElasticAgent):
         if self.group is not None:
             self.group.stop(grace=0.0, signum=signal.SIGKILL)
 
-    def _stop_siblings_of_failure(self, worker_group: Any) -> None:
+    def _stop_siblings_of_failure(self, codes: list[int | None]) -> None:
+        """A failure in the workers' exits ``codes``: its root cause, and the others stopped."""
         group = self.group
         if group is None or self.root_cause is not None:
             return
-        failed = [(w.local_rank, c) for w, c in zip(group.workers, group.poll())
+        failed = [(w.local_rank, c) for w, c in zip(group.workers, codes)
                   if c not in (None, 0)]
         if not failed:
             return
