@@ -43,18 +43,20 @@ def _env(rec: Path, node: str, **extra: str) -> dict[str, str]:
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                          "GLOO_SOCKET_IFNAME")}
     env.update(plugin_env(rec, EL_NODE=node, EL_STEP_SLEEP="0.3", **extra))
-    env["PYTHONPATH"] = os.pathsep.join([str(ELASTIC_TESTS), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ELASTIC_TESTS), str(ROOT),
+                                         os.environ.get("PYTHONPATH", "")])
     return env
 
 
 class Node:
     """``distrun run`` on one host of the testbed, its output in ``<cwd>/<name>.log``."""
 
-    def __init__(self, host, cwd: Path, rec: Path, args: list[str], name: str) -> None:
+    def __init__(self, host, cwd: Path, rec: Path, args: list[str], name: str,
+                 **extra: str) -> None:
         self.host, self.log = host, cwd / f"{name}.log"
         with open(self.log, "w") as fh:
             self.proc = host.popen([sys.executable, "-m", "distrun", "run", *args, TASK],
-                                   env=_env(rec, host.name), cwd=cwd, stdout=fh,
+                                   env=_env(rec, host.name, **extra), cwd=cwd, stdout=fh,
                                    stderr=subprocess.STDOUT)
 
     def output(self) -> str:
@@ -149,6 +151,46 @@ def test_a_killed_host_is_left_behind_and_rejoins_without_spending_a_restart(dis
 
 
 @pytest.mark.slow
+def test_a_lost_host_re_forms_from_the_memory_of_the_host_left(distrun_hosts, tmp_path):
+    """Memory checkpoints every step, disk every 10: kill -9 of every process of host 1 (3
+    ranks of 4) past step 12, and the run's checkpoint folder (with its step 10) moved away
+    before host 0 re-forms, so no disk read is possible: host 0 resumes alone from its own memory, which holds the whole
+    data-parallel state, at the newest step it committed, with the weights the run had at
+    the end of that step bit for bit, and the final history consumes the reference's
+    samples."""
+    bed = distrun_hosts(2)
+    reference = _reference(tmp_path)
+    rec = tmp_path / "rec"
+    ckpts = tmp_path / "runs" / "job" / "checkpoints"
+    memory = ["--ckpt-every-n-steps", "10", "--ckpt-memory-every-n-steps", "1"]
+    first = Node(bed[0], tmp_path, rec, _elastic("1:2", 1, *memory), "host0", EL_DIGEST="1")
+    second = Node(bed[1], tmp_path, rec, _elastic("1:2", 3, *memory), "host1", EL_DIGEST="1")
+    digests = rec / "digests.jsonl"
+    _wait_for(lambda: any(d["step"] >= 12 for d in records(rec, "digests.jsonl"))
+              if digests.exists() else False, "step 12", [first, second])
+    bed[1].kill_all()
+    second.wait(timeout=30)
+    aside = tmp_path / "runs" / "job" / "checkpoints-aside"
+    ckpts.rename(aside)  # its step 10 can no longer be read
+    _wait_for(lambda: any(e["world"] == 1 for e in records(rec, "events.jsonl")),
+              "host 0 alone", [first])
+    assert first.wait() == 0, first.output()
+    out = first.output()
+    assert "Traceback" not in out and "memory tier off" not in out, out
+    alone = [e for e in records(rec, "events.jsonl") if e["world"] == 1][0]
+    assert alone["resumed_from"].startswith("/dev/shm/distrun-ckpt-memory-"), alone
+    before = [d for d in records(rec, "digests.jsonl") if d["attempt"] == 0]
+    last = max(d["step"] for d in before if d["node"] == "host0")
+    assert alone["step"] >= last - 1, (alone, last)  # at most one finished step redone
+    want = {d["digest"] for d in before if d["step"] == alone["step"]}
+    assert want == {alone["digest"]}, (alone, want)
+    assert (aside / "step-10").is_dir() and alone["step"] > 10, alone
+    assert not os.path.exists(os.path.dirname(alone["resumed_from"]))
+    _same_samples(rec, reference)
+    fit, want_fit = _fit(rec), _fit(reference)
+    assert abs(fit - want_fit) <= 0.05 * want_fit, (fit, want_fit)
+
+
 def test_a_cut_link_is_named_in_seconds_and_the_cut_host_stops_with_one_line(distrun_hosts,
                                                                              tmp_path):
     """Host 1's cable pulled: nothing resets, every collective would wait out --timeout 300.

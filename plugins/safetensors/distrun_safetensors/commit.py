@@ -79,7 +79,9 @@ def write_record(job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
         "format": FORMAT, "version": VERSION, "step": job["step"], "reason": job["reason"],
         "committed_at": time.time(), "world_size": job["world"],
         "meshes": job["meshes"], "checksum": CHECKSUM, "files": files,
-        "states": {"world_size": job["world"], "files": [r["state_files"] for r in reports]},
+        "states": {"world_size": job["world"], "files": [r["state_files"] for r in reports],
+                   # a save across some ranks (one node's): whose states these are, in order
+                   **({"ranks": list(job["members"])} if job.get("members") else {})},
         TENSORS: record, GENERATION: generation, RDZV_GENERATION: rdzv_generation,
         **job["info"],
     }

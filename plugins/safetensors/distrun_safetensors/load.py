@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack, closing
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from distrun_safetensors.rank_files import optimizer_names
 from distrun_safetensors.statecodec import decode
 from distrun_safetensors.validation import validate
 
-__all__ = ["LoadResult", "load", "resolve_source"]
+__all__ = ["LoadResult", "NodeFolder", "load", "resolve_source"]
 
 log = logging.getLogger("distrun")
 
@@ -46,6 +47,29 @@ class LoadResult:
         self.state = state
         #: tensor bytes this rank read from the model and optimizer files
         self.bytes_read = bytes_read
+
+
+@dataclass(frozen=True)
+class NodeFolder:
+    """A folder of checkpoints whose committed ones compete with the checkpoint folder's
+    under ``latest`` and ``auto`` (the memory tier's, see :func:`merge_newest`).
+
+    Across nodes each node has its own (``mine``; ``named``: rank 0's, the one the choice
+    names), holding what its ranks need; only the ``steps`` every node committed are
+    candidates (None: all), and each node's ranks check its own (this rank is ``rank`` of
+    ``world`` there)."""
+
+    mine: str
+    named: str
+    steps: frozenset[int] | None
+    rank: int
+    world: int
+
+    def here(self, folder: str) -> str | None:
+        """``folder`` (as rank 0 names it) in this rank's own folder; None when not one of it."""
+        if os.path.dirname(os.path.normpath(folder)) != os.path.normpath(self.named):
+            return None
+        return os.path.join(self.mine, os.path.basename(os.path.normpath(folder)))
 
 
 def resolve_source(source: str, ckpt_dir: str,
@@ -89,7 +113,7 @@ def _step_of(folder: str) -> int:
 
 
 def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
-            also: list[str] | None = None) -> Checkpoint | None:
+            tier: NodeFolder | None = None) -> Checkpoint | None:
     rank, world = comm.rank_world()
     if source == BEST:
         source, pointer = LATEST, BEST
@@ -97,11 +121,11 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
     if rank == 0:
         try:
             plan = resolve_source(source, ckpt_dir, pointer)
-            if also and source in ("auto", "latest") and pointer == LATEST:
+            if tier is not None and source in ("auto", "latest") and pointer == LATEST:
                 folders, explicit, notes = plan
-                for folder in also:
-                    folders = merge_newest(folders, candidates(folder)[0])
-                plan = folders, explicit, notes
+                memory = [f for f in candidates(tier.named)[0]
+                          if tier.steps is None or _step_of(f) in tier.steps]
+                plan = merge_newest(folders, memory), explicit, notes
         except CheckpointError as exc:
             plan = str(exc)
     plan = comm.broadcast(plan)
@@ -115,8 +139,10 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
     for folder in folders:
         ckpt: Checkpoint | None = None
         error: tuple[str, str] | None = None
-        try:
-            ckpt = validate(folder, rank, world, verify)
+        here = tier.here(folder) if tier is not None else None
+        try:  # a node's folder is checked by its own ranks
+            ckpt = validate(here, tier.rank, tier.world, verify) if here and tier \
+                else validate(folder, rank, world, verify)
         except NewerFormatError as exc:  # not damaged: never skipped for an older one
             error = ("newer", str(exc))
         except CheckpointError as exc:
@@ -195,17 +221,17 @@ def _brief(groups: Any) -> str:
 
 def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir: str = "",
          verify: bool = True, pointer: str = LATEST,
-         also: list[str] | None = None) -> LoadResult | None:
+         tier: NodeFolder | None = None) -> LoadResult | None:
     """Restore ``model`` (and ``optimizer``) in place on every rank; None when ``auto`` finds
     nothing. Raises :class:`CheckpointError` before changing anything when the checkpoint is
     damaged or does not fit.
 
     ``source``: ``latest``, ``auto``, ``best`` or a path; ``pointer="best"`` makes
-    ``latest``/``auto``/a checkpoints folder follow ``best`` instead of ``latest``. ``also``:
-    more checkpoint folders whose checkpoints compete with ``ckpt_dir``'s under ``latest`` and
-    ``auto`` (the memory tier's, :func:`merge_newest`).
+    ``latest``/``auto``/a checkpoints folder follow ``best`` instead of ``latest``. ``tier``:
+    a folder whose checkpoints compete with ``ckpt_dir``'s under ``latest`` and ``auto``
+    (:class:`NodeFolder`, the memory tier's).
     """
-    ckpt = _choose(source, ckpt_dir, verify, pointer, also)
+    ckpt = _choose(source, ckpt_dir, verify, pointer, tier)
     if ckpt is None:
         return None
     problem = None
@@ -290,12 +316,18 @@ def _load_optimizer(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any,
 
 
 def _load_state(ckpt: Checkpoint, stack: ExitStack) -> dict[str, Any]:
-    """This rank's contributed state (rank 0's at another world size), from the state files
-    :func:`validate` checked (names, and that the JSON is data referring to stored tensors)."""
+    """This rank's contributed state (the first saved rank's at another world size), from the
+    state files :func:`validate` checked (names, and that the JSON is data referring to stored
+    tensors). A save across some ranks (one node's) names whose states it holds."""
     rank, world = comm.rank_world()
     if not ckpt.states:
         return {}
-    json_name, tensor_name = ckpt.states[rank if len(ckpt.states) == world else 0]
+    ranks = ckpt.manifest["states"].get("ranks")
+    if ranks is not None:
+        index = ranks.index(rank) if rank in ranks else 0
+    else:
+        index = rank if len(ckpt.states) == world else 0
+    json_name, tensor_name = ckpt.states[index]
     import json
 
     data = json.loads(read_member(ckpt.folder, json_name, 1 << 30, "state"))

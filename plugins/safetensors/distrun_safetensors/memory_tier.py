@@ -25,8 +25,13 @@ Two halves:
   goes on with its disk checkpoints, never out of memory mid-run), and the wait for the
   commit before the next optimizer step.
 
-One node for now: a run over several nodes keeps its disk checkpoints only (said once), and
-so does a run under ``--ft`` (its replica groups heal from a live peer).
+Across nodes each node's folder holds a whole checkpoint of what its own ranks hold, saved by
+them alone (a :class:`~distrun_safetensors.save.Scope`: replicated state once per node), so a
+state every node holds whole (data parallel, replicated or sharded within the node) restarts
+from memory on every node, and the survivors of a lost node from their own. No node prunes a
+step before every node committed the next, and a restart takes the newest step all of them
+hold. A state sharded across nodes keeps its disk checkpoints only (said once), and so does a
+run under ``--ft`` (its replica groups heal from a live peer).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import glob
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -143,8 +149,10 @@ def _size(n: float) -> str:
 class MemoryCadence:
     """Saves into the memory tier every ``every`` steps (each rank holds one)."""
 
-    def __init__(self, every: int, folder: str, max_gb: float, copies: int = 2) -> None:
+    def __init__(self, every: int, folder: str, max_gb: float, copies: int = 2,
+                 scope: Any = None) -> None:
         self.every, self.folder, self.max_gb, self.copies = every, folder, max_gb, copies
+        self.scope = scope  # across nodes: this node's ranks (a save.Scope)
         self.off = False
         self.checked = False
         self.saved: int | None = None  # the step of the last save
@@ -248,7 +256,8 @@ def memory_checkpointer(run: Any, cadence: MemoryCadence) -> Any:
 
         saver = Checkpointer(cadence.folder, keep_last=1,
                              split_bytes=int(_opts(run).ckpt_split_mb * (1 << 20)),
-                             async_save=True, rdzv_generation=run.generation, in_place=True)
+                             async_save=True, rdzv_generation=run.generation, in_place=True,
+                             scope=cadence.scope)
         saver.room_check = cadence.room(_local_world(run))
         run.stash[_SAVER] = saver
     return saver
@@ -276,24 +285,110 @@ def wait_for_memory_save(run: Any) -> None:
             saver.wait()
 
 
-def node_tier(run: Any) -> str | None:
-    """The memory tier's folder where this run can use it: given by the launcher, and the
-    run on one node (each node's folder holds what its own ranks need only then)."""
+def _nodes(run: Any) -> list[tuple[int, ...]] | None:
+    """The global ranks of each node, known by the tier folder they share (every rank calls
+    this together; one process: none); None when a rank has no folder."""
+    if run.world_size == 1 or run.world_size == _local_world(run):
+        return None
+    import torch.distributed as dist
+
+    mine = tier_dir()
+    seen: list[Any] = [None] * run.world_size
+    dist.all_gather_object(seen, (socket.gethostname(), mine) if mine else None)
+    if any(s is None for s in seen):
+        return None
+    nodes: dict[Any, list[int]] = {}
+    for rank, key in enumerate(seen):
+        nodes.setdefault(tuple(key), []).append(rank)
+    return [tuple(ranks) for ranks in nodes.values()]
+
+
+def node_tier(run: Any) -> Any:
+    """The memory tier's folder for a resume (a :class:`~distrun_safetensors.load.NodeFolder`)
+    where the launcher gave one: across nodes, each node's own, with the steps every node
+    committed (every rank calls this together); None without."""
+    from distrun_safetensors.load import NodeFolder, _step_of
+    from distrun_safetensors.manifest import candidates
+
     folder = tier_dir()
-    return folder if folder is not None and run.world_size == _local_world(run) else None
+    if run.world_size == _local_world(run):
+        return None if folder is None else NodeFolder(folder, folder, None, run.rank,
+                                                      run.world_size)
+    nodes = _nodes(run)
+    if nodes is None or folder is None:
+        return None
+    import torch.distributed as dist
+
+    steps = frozenset(_step_of(f) for f in candidates(folder)[0])
+    each: list[Any] = [None] * run.world_size
+    dist.all_gather_object(each, (folder, steps))
+    common = frozenset.intersection(*(s for _, s in each))
+    node = next(n for n in nodes if run.rank in n)
+    return NodeFolder(folder, each[0][0], common, node.index(run.rank), len(node))
+
+
+def _node_holds_all(model: Any, members: tuple[int, ...]) -> bool:
+    """Whether ``members`` (one node's ranks) hold every part of the model's tensors between
+    them: a DTensor sharded over ranks of other nodes is not (FSDP across nodes)."""
+    from distrun_safetensors.pieces import is_dtensor
+
+    for t in model.state_dict().values():
+        if not is_dtensor(t):
+            continue
+        from torch.distributed.tensor import Replicate
+
+        ranks = t.device_mesh.mesh
+        dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+        held = set()
+        for rank in members:
+            at = (ranks == rank).nonzero()
+            if len(at):
+                held.add(tuple(int(at[0][i]) for i in dims))
+        need = 1
+        for i in dims:
+            need *= ranks.shape[i]
+        if len(held) < need:
+            return False
+    return True
+
+
+def _scope(run: Any, nodes: list[tuple[int, ...]]) -> Any:
+    """This node's ranks as a save scope: two process groups of them (the saves' calls and
+    their background writes) and one of every rank (every rank calls this together)."""
+    import torch.distributed as dist
+
+    from distrun_safetensors.save import Scope
+
+    mine, _ = dist.new_subgroups_by_enumeration(nodes, backend="gloo")
+    background, _ = dist.new_subgroups_by_enumeration(nodes, backend="gloo")
+    across = dist.new_group(backend="gloo")
+    node = next(n for n in nodes if run.rank in n)
+    return Scope(members=node, group=mine, background=background, across=across)
 
 
 def start_tier(run: Any, every: int, max_gb: float) -> None:
     """At the fit's start: the memory cadence, where the tier can be used (else one line)."""
-    folder = node_tier(run)
-    why = None
+    from distrun_safetensors import comm
+
+    folder, scope, why = tier_dir(), None, None
     if run.config.get("ft"):  # (its launcher made no folder)
         why = "under --ft a replica group heals from a live replica instead"
-    elif tier_dir() is None:
-        why = "no launcher holds it (run under `distrun run`)"
+    elif run.world_size != _local_world(run):
+        nodes = _nodes(run)
+        if nodes is None:
+            why = "a node's launcher holds no folder for it (run under `distrun run`)"
+        else:
+            node = next(n for n in nodes if run.rank in n)
+            split = comm.agree(None if _node_holds_all(run.unwrapped_model(), node)
+                               else f"rank {run.rank}")
+            if split:
+                why = ("the state is sharded across nodes (each node's memory holds its own "
+                       "ranks' state whole: data parallel, or sharded within a node)")
+            else:
+                scope = _scope(run, nodes)
     elif folder is None:
-        why = "a run over several nodes keeps its disk checkpoints only, for now"
-    if folder is None:
+        why = "no launcher holds it (run under `distrun run`)"
+    if why is not None or folder is None:
         if run.is_global_zero:
             run.log.warning("warning: memory tier off: %s; checkpoints go to the disk only", why)
         return
@@ -305,5 +400,5 @@ def start_tier(run: Any, every: int, max_gb: float) -> None:
 
     opts = _opts(run)  # a disk cadence writes from the tier's copy: one more held meanwhile
     copies = 3 if opts.ckpt_every_n_steps or opts.ckpt_every_n_seconds else 2
-    run.stash[_CADENCE] = cadence = MemoryCadence(every, folder, max_gb, copies)
+    run.stash[_CADENCE] = cadence = MemoryCadence(every, folder, max_gb, copies, scope)
     run.add_hooks(cadence)

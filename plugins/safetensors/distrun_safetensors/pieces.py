@@ -75,8 +75,13 @@ def box_of(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     return list(offsets), list(shape)
 
 
-def _holders(t: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], int]:
+def _holders(t: torch.Tensor, rank: int, world: int,
+             members: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], int]:
     """The ranks holding the same data as this rank for ``t``, and this rank's position.
+
+    ``members``: the global ranks of a save that writes across some ranks only (one node's,
+    the memory tier's), in the order of their ``rank`` in it: the holders are those among
+    them (a plain tensor: all of them).
 
     A DTensor on a sub-mesh (FSDP's ``dp`` of an fsdp x tp mesh) is also held, identical, by
     the ranks of the parallel sub-meshes (the other ``tp`` ranks): they count as holders too,
@@ -85,6 +90,10 @@ def _holders(t: torch.Tensor, rank: int, world: int) -> tuple[tuple[int, ...], i
     """
     if not is_dtensor(t):
         return tuple(range(world)), rank
+    if members is not None:
+        group, me = _holders(t, members[rank], 0)
+        group = tuple(r for r in group if r in members)
+        return group, group.index(members[rank])
     from torch.distributed.tensor import Replicate
 
     mesh = t.device_mesh
@@ -116,8 +125,11 @@ def _materialize_partial(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_pieces(named: Iterable[tuple[str, torch.Tensor]], rank: int, world: int,
-                split_bytes: int) -> list[Piece]:
-    """The pieces this rank writes for ``named`` tensors (same order on every rank)."""
+                split_bytes: int, members: tuple[int, ...] | None = None) -> list[Piece]:
+    """The pieces this rank writes for ``named`` tensors (same order on every rank).
+
+    ``rank`` and ``world`` are this rank's place in the save; ``members`` the global ranks of
+    a save across some ranks only (see :func:`_holders`), None for one across all."""
     loads: dict[tuple[int, ...], list[int]] = {}
     out: list[Piece] = []
     for name, t in named:
@@ -139,7 +151,7 @@ def plan_pieces(named: Iterable[tuple[str, torch.Tensor]], rank: int, world: int
             continue
         if local.numel() == 0:
             continue
-        group, me = _holders(t, rank, world)
+        group, me = _holders(t, rank, world, members)
         load = loads.setdefault(group, [0] * len(group))
         nbytes = local.numel() * local.element_size()
         k = len(group)

@@ -212,7 +212,7 @@ def distrun_load_checkpoint(run, source):
     tier = node_tier(run) if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps \
         else None
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
-                  verify=_opts(run).ckpt_verify, pointer=pointer, also=[tier] if tier else [])
+                  verify=_opts(run).ckpt_verify, pointer=pointer, tier=tier)
     if result is None:
         return None
     run.load_state_dict(result.state)

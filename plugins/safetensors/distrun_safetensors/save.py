@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,9 +44,23 @@ from distrun_safetensors.retention import (
 )
 from distrun_safetensors.statecodec import encode
 
-__all__ = ["Checkpointer", "Retention"]
+__all__ = ["Checkpointer", "Retention", "Scope"]
 
 log = logging.getLogger("distrun")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A save across some ranks only, into a folder of theirs (one node's, the memory tier's
+    across nodes): their global ranks, a process group of them for the save's calls, another
+    for its background write, and one of every rank (``across``), in which each scope says
+    that it committed before any prunes its previous checkpoint: every scope then holds the
+    newest step every scope committed, whichever of them a fault cut short."""
+
+    members: tuple[int, ...]
+    group: Any
+    background: Any
+    across: Any
 
 
 class Checkpointer:
@@ -59,7 +74,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep_last: int = 0, split_bytes: int = 4 << 20,
                  async_save: bool = False, rdzv_generation: int = 0,
-                 lock_stale_after: float = STALE_AFTER, in_place: bool = False) -> None:
+                 lock_stale_after: float = STALE_AFTER, in_place: bool = False,
+                 scope: Scope | None = None) -> None:
         if in_place and (not async_save or keep_last != 1):
             raise ValueError("in-place saves are async and keep the last checkpoint only")
         self.directory = directory
@@ -90,6 +106,8 @@ class Checkpointer:
         #: ``room_check(nbytes)``: this rank's tensor bytes of a save -> a refusal (one line)
         #: or None, asked before anything is written (the memory tier's room)
         self.room_check: Any = None
+        #: the ranks this checkpointer saves across, None for all (see :class:`Scope`)
+        self.scope = scope
 
     # -- public ---------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
@@ -132,7 +150,8 @@ class Checkpointer:
             return self.last[1]
         if record is not None:
             info = {**dict(info or {}), MONITOR: dict(record)}
-        rank, world = comm.rank_world()
+        rank, world = self._rank_world()
+        group = self.scope.group if self.scope is not None else None
         tmp: Any = None
         if rank == 0:
             try:
@@ -145,7 +164,7 @@ class Checkpointer:
                     self._release(tmp)  # its lock file too: nothing of this save is left
                 tmp = {"error": f"cannot create a folder in {self.directory} ({_said(exc)})",
                        "full": _is_full(exc)}
-        tmp = comm.broadcast(tmp)
+        tmp = comm.broadcast(tmp, group)
         if isinstance(tmp, dict) and snapshot is not None:
             snapshot.release()
         if isinstance(tmp, dict):
@@ -170,9 +189,9 @@ class Checkpointer:
                 views = _from_snapshot(job["pieces"], snapshot)
         except Exception as exc:
             error = f"rank {rank}: {exc}"
-        error = comm.agree(error)  # every rank fails together, before any file is written
+        error = comm.agree(error, group)  # every rank fails together, before any file is written
         if snapshot is not None:  # written from it on every rank, or on none
-            if not error and comm.agree(None if views is not None else "stage") is None:
+            if not error and comm.agree(None if views is not None else "stage", group) is None:
                 job["pieces"], job["release"] = views, snapshot.release
             else:
                 snapshot.release()
@@ -196,7 +215,9 @@ class Checkpointer:
             return final
         if not self.in_place and "release" not in job:
             job["pieces"] = self._stage(job["pieces"])
-        if self._group is None and comm.active():
+        if self.scope is not None:
+            self._group = self.scope.background
+        elif self._group is None and comm.active():
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo")
@@ -236,6 +257,13 @@ class Checkpointer:
             raise error
 
     # -- steps ----------------------------------------------------------------------------
+    def _rank_world(self) -> tuple[int, int]:
+        """This rank's place in the save, and how many ranks save together."""
+        rank, world = comm.rank_world()
+        if self.scope is None:
+            return rank, world
+        return self.scope.members.index(rank), len(self.scope.members)
+
     def _collect(self, rank: int, world: int, model: torch.nn.Module, optimizer: Any,
                  state: Mapping[str, Any] | None, step: int, reason: str,
                  info: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -244,17 +272,20 @@ class Checkpointer:
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"model state {name!r} is a {type(value).__name__}, not a "
                                       "tensor; distrun-safetensors stores tensors only")
+        members = self.scope.members if self.scope is not None else None
         pieces = [("model", p) for p in plan_pieces(model_sd.items(), rank, world,
-                                                    self.split_bytes)]
+                                                    self.split_bytes, members)]
         optim_meta = None
         if optimizer is not None:
             named, optim_meta = collect_optimizer(optimizer, model)
-            pieces += [("optim", p) for p in plan_pieces(named, rank, world, self.split_bytes)]
+            pieces += [("optim", p) for p in plan_pieces(named, rank, world, self.split_bytes,
+                                                         members)]
         state_tensors: dict[str, torch.Tensor] = {}
         state_json = encode(dict(state or {}), "state", state_tensors)
         layouts = sorted({str(tuple(v.device_mesh.shape)) + " " + str(v.device_mesh.mesh_dim_names)
                           for v in model_sd.values() if is_dtensor(v)})
-        return {"rank": rank, "world": world, "step": step, "reason": reason,
+        return {"rank": rank, "world": world, "members": members, "step": step,
+                "reason": reason,
                 "pieces": pieces, "optim_meta": optim_meta, "state_json": state_json,
                 "state_tensors": state_tensors, "meshes": layouts, "info": dict(info or {}),
                 "order": list(model_sd)}
@@ -320,7 +351,7 @@ class Checkpointer:
                     outcome["error"] += self._room_hint()
             finally:
                 self._release(tmp)
-            if not outcome.get("error"):
+            if not outcome.get("error") and self.scope is None:
                 # only once the claim is released: a pruner started earlier lists the claim's
                 # lock file, judges it abandoned when the release lands in between and
                 # re-creates it to remove it, touching the folder after save() returned
@@ -329,16 +360,32 @@ class Checkpointer:
                 # the ranks of a stale round are often gone: say why, whatever they hear
                 with contextlib.suppress(Exception):
                     comm.broadcast(outcome, group)
+                    self._across(job, outcome)
                 raise FencedError(outcome["error"])
         outcome = comm.broadcast(outcome, group)
         if outcome.get("fenced"):
             raise FencedError(outcome["error"])
+        if self.scope is not None:
+            outcome = self._across(job, outcome)
         if outcome.get("error"):
             raise CheckpointError(f"checkpoint step {job['step']} was not saved: "
                                   f"{outcome['error']}")
         self.last = (job["step"], final)
         if self._in_place is not None:
             self._in_place.keep(job["step"], final, job.get("mapped", {}))
+
+    def _across(self, job: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
+        """A scope's save: whether every scope committed (each rank says its scope's outcome),
+        and only then its leader prunes the previous checkpoint (see :class:`Scope`)."""
+        assert self.scope is not None
+        failed = comm.agree(outcome.get("error") and f"rank {comm.rank_world()[0]}'s group: "
+                            f"{outcome['error']}", self.scope.across)
+        if failed:
+            return {"error": outcome.get("error") or failed}
+        if job["rank"] == 0:
+            final = os.path.join(self.directory, f"step-{job['step']}")
+            self._start_pruning(final, job.get("retention"), job.get("owners"))
+        return outcome
 
     def _commit(self, job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
                 final: str) -> dict[str, Any]:

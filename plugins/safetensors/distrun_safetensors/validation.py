@@ -104,6 +104,12 @@ def _check_states(folder: str, manifest: dict[str, Any]) -> list[tuple[str, str 
             or isinstance(states.get("world_size"), bool):
         raise CheckpointError(f"{where}: manifest is malformed (states: one entry per saved "
                               "rank)")
+    ranks = states.get("ranks")  # a save across some ranks: whose the entries are
+    if ranks is not None and (not isinstance(ranks, list) or len(ranks) != len(saved)
+                              or len(set(map(repr, ranks))) != len(ranks)
+                              or not all(_whole(r) for r in ranks)):
+        raise CheckpointError(f"{where}: manifest is malformed (states: ranks, one distinct "
+                              "rank per entry)")
     out: list[tuple[str, str | None]] = []
     for r, ref in enumerate(saved):
         if not isinstance(ref, dict):
@@ -273,6 +279,10 @@ def check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> Non
                 if all(x[0] < y[0] + y[1] and y[0] < x[0] + x[1] for x, y in zip(a, b, strict=False)) \
                         and _prod([s for _, s in a]) and _prod([s for _, s in b]):
                     raise CheckpointError(f"{bad}: two pieces overlap")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _int_list(value: Any, n: int) -> bool:

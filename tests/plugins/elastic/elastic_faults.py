@@ -21,7 +21,9 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
   freezes its node meanwhile);
 - ``EL_RECORD_DIR``: every worker appends its start (attempt, rank, world size, step, cursor,
   checkpoint) to ``events.jsonl`` and the sample indices of each step to ``samples.jsonl``;
-  rank 0 saves the final weights to ``final.pt``.
+  rank 0 saves the final weights to ``final.pt``;
+- ``EL_DIGEST=1``: the start's record also carries a digest of the model's weights (as
+  resumed), and every rank appends the digest at the end of each step to ``digests.jsonl``.
 """
 
 from __future__ import annotations
@@ -123,7 +125,21 @@ def distrun_on_fit_start(run):
         "epoch": run.progress.epoch, "cursor": run.sampler.cursor if run.sampler is not None else None,
         "resumed_from": run.resumed_from, "master_addr": os.environ.get("MASTER_ADDR"),
         "generation": run.generation, "parent": _parent(),
+        **({"digest": _digest(run)} if os.environ.get("EL_DIGEST") else {}),
     })
+
+
+def _digest(run) -> str:
+    """SHA-256 of the model's weights, in state-dict order (bit-equal weights, equal digests)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in run.unwrapped_model().state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @hookimpl(wrapper=True)
@@ -150,6 +166,9 @@ def distrun_training_step(run, batch):
 
 @hookimpl(tryfirst=True)
 def distrun_on_step_end(run, step):
+    if os.environ.get("EL_DIGEST"):
+        _append("digests.jsonl", {"attempt": int(_attempt()), "rank": run.rank, "step": step,
+                                  "node": os.environ.get("EL_NODE", ""), "digest": _digest(run)})
     for item in filter(None, os.environ.get("EL_KILL_PLAN", "").split(",")):
         attempt, at, rank = item.split(":")
         if attempt == _attempt() and int(at) == step and int(rank) == run.rank:

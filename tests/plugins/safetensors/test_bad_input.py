@@ -197,6 +197,12 @@ def state_path_absolute(folder):
     return "file name '/etc/passwd' in the checkpoint is not a plain file name"
 
 
+def state_ranks_repeated(folder):
+    _edit_json(folder, "manifest.json", lambda m: m["states"].update(
+        ranks=[0] * len(m["states"]["files"]) + [1]))
+    return "manifest is malformed (states: ranks, one distinct rank per entry)"
+
+
 def dtype_lie_in_header_and_index(folder):
     header, data, n = _header(folder)
     header["fc1.weight"]["dtype"] = "I32"
@@ -212,7 +218,7 @@ def index_version_from_the_future(folder):
 
 CASES = [truncated, truncated_resealed, flipped, header_too_long, header_not_object,
          dtype_disagrees, shape_disagrees, escapes_dotdot, escapes_absolute, escapes_manifest,
-         escapes_symlink, missing_manifest,
+         escapes_symlink, missing_manifest, state_ranks_repeated,
          *[_linked_out(name) for name in ("model.safetensors.index.json",
                                           "optimizer.safetensors.index.json", "optimizer.json",
                                           "state-00000.json", "optim-00001-of-00001.safetensors")],
