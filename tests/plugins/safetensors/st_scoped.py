@@ -1,0 +1,69 @@
+"""Rank functions of the scoped-save tests (module level, for ``run_on_ranks``): a save across
+one node's ranks, as the memory tier makes it over several nodes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from st_layouts import MLP, compare, full_state, train_step
+
+#: four ranks as two nodes of two
+NODES = [(0, 1), (2, 3)]
+
+
+def _hsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 sharded within each node and replicated across them (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = MLP()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _fsdp_everywhere() -> torch.nn.Module:
+    """FSDP2 over all four ranks: each node holds half of every tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = MLP()
+    fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+    return model
+
+
+def rank_node_saves(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each node saves its own ranks' HSDP state into ``root/node<k>``; each rank loads its own
+    node's folder back into a fresh model; returns what differs, the folder and the state."""
+    import torch.distributed as dist
+
+    from distrun_safetensors.load import NodeFolder, load
+    from distrun_safetensors.memory_tier import _node_holds_all
+    from distrun_safetensors.save import Checkpointer, Scope
+
+    node = next(n for n in NODES if rank in n)
+    mine, _ = dist.new_subgroups_by_enumeration(NODES, backend="gloo")
+    background, _ = dist.new_subgroups_by_enumeration(NODES, backend="gloo")
+    scope = Scope(members=node, group=mine, background=background,
+                  across=dist.new_group(backend="gloo"))
+    model, opt = _hsdp(seed=1)
+    for i in range(2):
+        train_step(model, opt, 10 + i)
+    folder = os.path.join(root, f"node{NODES.index(node)}")
+    saver = Checkpointer(folder, keep_last=1, split_bytes=64, async_save=True, in_place=True,
+                         scope=scope)
+    saver.save(2, model, opt, {"progress": {"step": 2}, "who": rank}, reason="test")
+    saver.wait()
+    want = full_state(model, opt)
+    fresh, fresh_opt = _hsdp(seed=99)
+    tier = NodeFolder(folder, os.path.join(root, "node0"), None, node.index(rank), len(node))
+    result = load("latest", fresh, fresh_opt, ckpt_dir=os.path.join(root, "none"), tier=tier)
+    assert result is not None
+    return {"bad": compare(full_state(fresh, fresh_opt), want), "path": result.path,
+            "who": result.state.get("who"), "whole": _node_holds_all(model, node),
+            "split": _node_holds_all(_fsdp_everywhere(), node),
+            "full": {k: v for k, v in want.items() if k.startswith("model/")}}

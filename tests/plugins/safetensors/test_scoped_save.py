@@ -1,0 +1,37 @@
+"""A save across one node's ranks (the memory tier over several nodes): each node's folder is a
+whole checkpoint of the state its ranks hold, loaded back by them or by any other layout."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from st_layouts import MLP
+from st_scoped import rank_node_saves
+
+from distrun.testing import run_on_ranks
+
+
+def test_each_node_saves_a_whole_checkpoint_of_its_ranks_hsdp_state(tmp_path):
+    """HSDP on 4 ranks (sharded within 2 nodes of 2, replicated across them): each node's
+    ranks save into their own folder, and each rank resumes from its own node's folder
+    bit-equal, with its own contributed state; either node's folder alone loads into one
+    process whole. FSDP over all 4 ranks is seen not to be whole on a node."""
+    results = run_on_ranks(rank_node_saves, 4, str(tmp_path), init_process_group=True,
+                           timeout=240)
+    for rank, got in enumerate(results):
+        assert got["bad"] == [], (rank, got["bad"])
+        assert got["who"] == rank, got
+        assert got["path"] == str(tmp_path / f"node{rank // 2}" / "step-2"), got
+        assert got["whole"] and not got["split"], got
+    from distrun_safetensors.load import load
+
+    for node in ("node0", "node1"):
+        model = MLP()
+        assert load(str(tmp_path / node / "step-2"), model) is not None
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, results[0]["full"][f"model/{name}"]), (node, name)
+    manifest = json.loads((tmp_path / "node1" / "step-2" / "manifest.json").read_text())
+    assert manifest["states"]["ranks"] == [2, 3] and manifest["world_size"] == 2, manifest
+    assert not os.path.exists(tmp_path / "none")
