@@ -118,7 +118,7 @@ def other_runs(directory: str, key: str) -> list[str]:
 
 def prune(directory: str, keep: str, keep_last: int, retention: Retention | None = None,
           held: frozenset[str] = frozenset(), released: frozenset[str] = frozenset(),
-          stale_after: float = STALE_AFTER) -> None:
+          stale_after: float = STALE_AFTER, sweep: bool = True) -> None:
     """Drop leftovers of crashed saves, all but the ``keep_last`` newest checkpoints, and
     (with ``retention``) the checkpoints saved for the best k that left the top k.
 
@@ -132,9 +132,11 @@ def prune(directory: str, keep: str, keep_last: int, retention: Retention | None
     ``keep`` (the checkpoint just committed or given a value) always stays. ``keep_last``
     counts the checkpoints saved for any reason but ``best``; the top k (``retention.protect``)
     are never removed; a checkpoint that carries a value of a metric this run does not monitor
-    (or any value, in a run without ``--ckpt-monitor``) is left alone.
+    (or any value, in a run without ``--ckpt-monitor``) is left alone. ``sweep``: the
+    leftovers of saves that did not finish are removed first.
     """
-    sweep_stale(directory)
+    if sweep:  # (not in the memory tier's folder: see save.Checkpointer._quiet_start)
+        sweep_stale(directory)
     if any(name.startswith(_TEMPORARIES) for name in os.listdir(directory)):
         # every writer of these (a commit, a tag, a draw of the generation) holds the commit
         # lock while they exist: under it, the ones left are a killed writer's, never those of

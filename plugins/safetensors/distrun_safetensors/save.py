@@ -108,6 +108,9 @@ class Checkpointer:
         self.room_check: Any = None
         #: the ranks this checkpointer saves across, None for all (see :class:`Scope`)
         self.scope = scope
+        #: in-place saves after the first: their folders' names (see :meth:`_quiet_start`)
+        self._token: str | None = None
+        self._count = 0
 
     # -- public ---------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
@@ -152,54 +155,13 @@ class Checkpointer:
             info = {**dict(info or {}), MONITOR: dict(record)}
         rank, world = self._rank_world()
         group = self.scope.group if self.scope is not None else None
-        tmp: Any = None
-        if rank == 0:
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-                tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-                self._claims[tmp] = claim(tmp)
-                os.mkdir(tmp)
-            except OSError as exc:
-                if tmp is not None:
-                    self._release(tmp)  # its lock file too: nothing of this save is left
-                tmp = {"error": f"cannot create a folder in {self.directory} ({_said(exc)})",
-                       "full": _is_full(exc)}
-        tmp = comm.broadcast(tmp, group)
-        if isinstance(tmp, dict) and snapshot is not None:
-            snapshot.release()
-        if isinstance(tmp, dict):
-            hint = self._room_hint() if tmp.get("full") else ""
-            raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}{hint}")
-        job: dict[str, Any] = {}
-        error = views = None
-        try:
-            job = self._collect(rank, world, model, optimizer, state, step, reason, info)
-            job["retention"] = retention
-            job["owners"] = owners
-            if self.room_check is not None:
-                nbytes = sum(p.nbytes for _, p in job["pieces"]) + sum(
-                    t.numel() * t.element_size() for t in job["state_tensors"].values())
-                error = self.room_check(nbytes)
-            if error is None and self.in_place:  # the snapshot, into this save's files
-                if self._in_place is None:
-                    self._in_place = InPlace(self.directory, rank)
-                job["mapped"] = self._in_place.stage(job, tmp,
-                                                      self.last[0] if self.last else None)
-            if snapshot is not None:
-                views = _from_snapshot(job["pieces"], snapshot)
-        except Exception as exc:
-            error = f"rank {rank}: {exc}"
-        error = comm.agree(error, group)  # every rank fails together, before any file is written
-        if snapshot is not None:  # written from it on every rank, or on none
-            if not error and comm.agree(None if views is not None else "stage", group) is None:
-                job["pieces"], job["release"] = views, snapshot.release
-            else:
-                snapshot.release()
-        if error:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._release(tmp)
-            raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
+        if self._token is not None and snapshot is None:  # an in-place save after the first
+            job, tmp = self._quiet_start(rank, world, model, optimizer, state, step, reason,
+                                         info)
+        else:
+            job, tmp = self._agreed_start(rank, world, group, model, optimizer, state, step,
+                                          reason, info, snapshot)
+        job.update(retention=retention, owners=owners)
         if rank == 0 and self.generation is None:  # before this save's gather: see fence.py
             try:
                 self.generation = draw_generation(self.directory, self.rdzv_generation,
@@ -228,6 +190,98 @@ class Checkpointer:
                                         args=(job, tmp, final), daemon=True)
         self._thread.start()
         return final
+
+    def _agreed_start(self, rank: int, world: int, group: Any, model: torch.nn.Module,
+                      optimizer: Any, state: Mapping[str, Any] | None, step: int, reason: str,
+                      info: Mapping[str, Any] | None,
+                      snapshot: Snapshot | None) -> tuple[dict[str, Any], str]:
+        """The start of a save: rank 0 makes its folder and names it to the others, then every
+        rank collects (an in-place save also stages) its pieces, and they agree that none
+        failed before anything is written (the error is raised on every rank if one did)."""
+        tmp: Any = None
+        if rank == 0:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                tmp = os.path.join(self.directory, f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
+                self._claims[tmp] = claim(tmp)
+                os.mkdir(tmp)
+            except OSError as exc:
+                if tmp is not None:
+                    self._release(tmp)  # its lock file too: nothing of this save is left
+                tmp = {"error": f"cannot create a folder in {self.directory} ({_said(exc)})",
+                       "full": _is_full(exc)}
+        tmp = comm.broadcast(tmp, group)
+        if isinstance(tmp, dict) and snapshot is not None:
+            snapshot.release()
+        if isinstance(tmp, dict):
+            hint = self._room_hint() if tmp.get("full") else ""
+            raise CheckpointError(f"checkpoint step {step} was not saved: {tmp['error']}{hint}")
+        job: dict[str, Any] = {}
+        error = views = None
+        try:
+            job = self._collect(rank, world, model, optimizer, state, step, reason, info)
+            error = self._room(job)
+            if error is None and self.in_place:  # the snapshot, into this save's files
+                job["mapped"] = self._stage_in_place(job, tmp)
+            if snapshot is not None:
+                views = _from_snapshot(job["pieces"], snapshot)
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        error = comm.agree(error, group)  # every rank fails together, before any file is written
+        if snapshot is not None:  # written from it on every rank, or on none
+            if not error and comm.agree(None if views is not None else "stage", group) is None:
+                job["pieces"], job["release"] = views, snapshot.release
+            else:
+                snapshot.release()
+        if error:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._release(tmp)
+            raise CheckpointError(f"checkpoint step {step} was not saved: {error}")
+        if self.in_place:  # the next saves name their folders from it (see _quiet_start)
+            self._token = os.path.basename(tmp).rpartition("-")[2]
+        return job, tmp
+
+    def _quiet_start(self, rank: int, world: int, model: torch.nn.Module, optimizer: Any,
+                     state: Mapping[str, Any] | None, step: int, reason: str,
+                     info: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
+        """The start of an in-place save after the first, with no call between the ranks (a
+        save every step: each call would stall every step): its folder's name is derived
+        from the first save's and a count, and each rank makes it; a rank's error goes to the
+        commit's gather (the save then fails on every rank together, at :meth:`wait`, and
+        nothing of it is kept). A rank may make the folder before rank 0 claims it, so the
+        pruning of in-place saves never sweeps leftovers (it would take the folder for a dead
+        save's): their folder is the memory tier's, swept at the run's start only."""
+        self._count += 1
+        tmp = os.path.join(self.directory, f".tmp-step-{step}-{self._token}-{self._count}")
+        job: dict[str, Any] = {"rank": rank, "world": world, "step": step}
+        try:
+            if rank == 0:
+                self._claims[tmp] = claim(tmp)
+            os.makedirs(tmp, exist_ok=True)
+            job = self._collect(rank, world, model, optimizer, state, step, reason, info)
+            error = self._room(job)
+            if error is not None:
+                raise CheckpointError(error)
+            job["mapped"] = self._stage_in_place(job, tmp)
+        except Exception as exc:
+            job["early"] = _said(exc)
+        return job, tmp
+
+    def _room(self, job: dict[str, Any]) -> str | None:
+        """The room check's refusal of this rank's share of the save, or None."""
+        if self.room_check is None:
+            return None
+        nbytes = sum(p.nbytes for _, p in job["pieces"]) + sum(
+            t.numel() * t.element_size() for t in job["state_tensors"].values())
+        refusal: str | None = self.room_check(nbytes)
+        return refusal
+
+    def _stage_in_place(self, job: dict[str, Any], tmp: str) -> dict[str, Any]:
+        """This rank's pieces copied into its files in ``tmp`` (an in-place save)."""
+        if self._in_place is None:
+            self._in_place = InPlace(self.directory, job["rank"])
+        return self._in_place.stage(job, tmp, self.last[0] if self.last else None)
 
     def snapshot(self, step: int) -> Snapshot | None:
         """This rank's tensors of the in-place save of ``step`` (the last one), for another
@@ -333,6 +387,8 @@ class Checkpointer:
         report: dict[str, Any] = {}
         full = False
         try:
+            if job.get("early"):  # this rank could not start the save (see _quiet_start)
+                raise CheckpointError(job["early"])
             report = _write_rank_files(job, tmp)
         except Exception as exc:
             error, full = f"rank {job['rank']}: {_said(exc)}", _is_full(exc)
@@ -420,7 +476,8 @@ class Checkpointer:
         held, released = owners or (frozenset(), frozenset())
         self._pruner = threading.Thread(target=prune, daemon=True, name="distrun-ckpt-prune",
                                         args=(self.directory, keep, self.keep_last, retention,
-                                              held, released, self.lock_stale_after))
+                                              held, released, self.lock_stale_after,
+                                              not self.in_place))
         self._pruner.start()
 
     def _room_hint(self) -> str:

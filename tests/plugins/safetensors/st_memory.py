@@ -1,5 +1,6 @@
-"""Rank functions of the scoped-save tests (module level, for ``run_on_ranks``): a save across
-one node's ranks, as the memory tier makes it over several nodes."""
+"""Rank functions of the memory tier's save tests (module level, for ``run_on_ranks``): a save
+across one node's ranks, as the tier makes it over several nodes, and in-place saves after the
+first, which start with no call between the ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from typing import Any
 
 import torch
-from st_layouts import MLP, compare, full_state, train_step
+from st_layouts import MLP, build, compare, full_state, train_step
 
 #: four ranks as two nodes of two
 NODES = [(0, 1), (2, 3)]
@@ -67,3 +68,29 @@ def rank_node_saves(rank: int, world: int, root: str) -> dict[str, Any]:
             "who": result.state.get("who"), "whole": _node_holds_all(model, node),
             "split": _node_holds_all(_fsdp_everywhere(), node),
             "full": {k: v for k, v in want.items() if k.startswith("model/")}}
+
+
+def rank_quiet_failure(rank: int, world: int, root: str) -> dict[str, Any]:
+    """In-place saves of steps 1, 2, 3 on 2 ranks, rank 1's state of step 2 not data: the save
+    of step 2 fails on both ranks at ``wait`` (with rank 1's reason), no hang, and step 3
+    saves; returns each outcome and the folder's names."""
+    from distrun_safetensors.files import CheckpointError
+    from distrun_safetensors.save import Checkpointer
+
+    model, opt = build("plain")
+    saver = Checkpointer(root, keep_last=1, split_bytes=64, async_save=True, in_place=True)
+    outcomes = []
+    for step in (1, 2, 3):
+        train_step(model, opt, step)
+        state: dict[str, Any] = {"progress": {"step": step}}
+        if step == 2 and rank == 1:
+            state["bad"] = object()
+        where = "save"
+        try:
+            saver.save(step, model, opt, state)
+            where = "wait"  # the save started without a call between the ranks
+            saver.wait()
+            outcomes.append("saved")
+        except CheckpointError as exc:
+            outcomes.append(f"{where}: {exc}")
+    return {"outcomes": outcomes, "names": sorted(os.listdir(root))}

@@ -1,5 +1,7 @@
-"""A save across one node's ranks (the memory tier over several nodes): each node's folder is a
-whole checkpoint of the state its ranks hold, loaded back by them or by any other layout."""
+"""The memory tier's saves across ranks: a save across one node's ranks (the tier over several
+nodes), each node's folder a whole checkpoint of the state its ranks hold, loaded back by them
+or by any other layout; in-place saves after the first, failing together with no call of
+their own."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 
 import torch
 from st_layouts import MLP
-from st_scoped import rank_node_saves
+from st_memory import rank_node_saves, rank_quiet_failure
 
 from distrun.testing import run_on_ranks
 
@@ -35,3 +37,19 @@ def test_each_node_saves_a_whole_checkpoint_of_its_ranks_hsdp_state(tmp_path):
     manifest = json.loads((tmp_path / "node1" / "step-2" / "manifest.json").read_text())
     assert manifest["states"]["ranks"] == [2, 3] and manifest["world_size"] == 2, manifest
     assert not os.path.exists(tmp_path / "none")
+
+
+def test_an_in_place_save_that_fails_on_one_rank_fails_on_every_rank_at_wait(tmp_path):
+    """After the first, an in-place save starts with no call between the ranks; a rank that
+    cannot save says so through the commit: every rank raises its reason at ``wait`` (no
+    rank hangs), nothing of that save is left, and the next save commits."""
+    results = run_on_ranks(rank_quiet_failure, 2, str(tmp_path / "mem"),
+                           init_process_group=True, timeout=120)
+    for got in results:
+        first, failed, third = got["outcomes"]
+        assert first == third == "saved", got
+        assert failed.startswith("wait: checkpoint step 2 was not saved: rank 1: ") and \
+            "bad" in failed, got
+    names = results[0]["names"]
+    assert [n for n in names if n.startswith("step-")] == ["step-3"], names
+    assert not [n for n in names if n.startswith(".tmp")], names
