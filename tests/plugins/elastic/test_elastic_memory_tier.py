@@ -127,15 +127,21 @@ def test_a_damaged_memory_copy_falls_back_to_the_disk_and_a_killed_launcher_leav
         second.kill_all()
 
 
-def _two_nodes(tmp_path: Path, rec: Path, name: str, *args: str,
-               **env: str) -> list[Launcher]:
-    """Two launchers on this machine, one rank each, rendezvousing as two nodes: each holds its
-    own memory tier folder, as on two hosts."""
+def _two_nodes(tmp_path: Path, rec: Path, name: str, *args: str, **env: str) -> str:
+    """Two launchers on this machine, one rank each, rendezvousing as two nodes (each holds
+    its own memory tier folder, as on two hosts), run to their end (exit 0): their output."""
     node = [a for a in TRAIN if a not in ("--nproc-per-node", "2")]
     common = ["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint",
               f"127.0.0.1:{free_port()}", "--rdzv-id", name, *node, *args, "--name", name, TASK]
-    return [Launcher(common, plugin_env(rec, **env), tmp_path, f"{name}-node{i}")
-            for i in range(2)]
+    nodes = [Launcher(common, plugin_env(rec, **env), tmp_path, f"{name}-node{i}")
+             for i in range(2)]
+    try:
+        for launcher in nodes:
+            assert launcher.wait(timeout=480) == 0, launcher.output()
+    finally:
+        for launcher in nodes:
+            launcher.kill_all()
+    return "".join(launcher.output() for launcher in nodes)
 
 
 @pytest.mark.timeout(600)
@@ -145,15 +151,8 @@ def test_two_nodes_each_resume_from_their_own_memory(tmp_path, reference):
     rank resumes from its own node's folder at step 12, the newest step both committed; the
     run ends bit-equal to the uninterrupted run and leaves nothing in /dev/shm."""
     rec = tmp_path / "rec"
-    nodes = _two_nodes(tmp_path, rec, "two", "--max-restarts", "1", "--ckpt-every-n-steps",
-                       "10", "--ckpt-memory-every-n-steps", "1", EL_KILL_PLAN="0:13:1")
-    try:
-        for node in nodes:
-            assert node.wait(timeout=480) == 0, node.output()
-    finally:
-        for node in nodes:
-            node.kill_all()
-    out = "".join(node.output() for node in nodes)
+    out = _two_nodes(tmp_path, rec, "two", "--max-restarts", "1", "--ckpt-every-n-steps", "10",
+                     "--ckpt-memory-every-n-steps", "1", EL_KILL_PLAN="0:13:1")
     assert "memory tier off" not in out, out
     assert out.count("restarting the workers") == 2, out  # each node's launcher says it
     first, second = _starts(rec)[(1, 0)], _starts(rec)[(1, 1)]
@@ -167,17 +166,9 @@ def test_two_nodes_each_resume_from_their_own_memory(tmp_path, reference):
 def test_a_state_sharded_across_nodes_keeps_the_disk_only_with_one_line(tmp_path):
     """FSDP over two nodes of one rank: no node's memory would hold its ranks' state whole."""
     rec = tmp_path / "rec"
-    nodes = _two_nodes(tmp_path, rec, "split", "--strategy", "fsdp",
-                       "--ckpt-memory-every-n-steps", "1",
-                       "--max-steps", "4", "--ckpt-every-n-steps", "4",
-                       DISTRUN_PLUGINS=plugin_env(rec)["DISTRUN_PLUGINS"] + ",distrun_fsdp.plugin")
-    try:
-        for node in nodes:
-            assert node.wait(timeout=300) == 0, node.output()
-    finally:
-        for node in nodes:
-            node.kill_all()
-    out = "".join(node.output() for node in nodes)
+    out = _two_nodes(tmp_path, rec, "split", "--strategy", "fsdp", "--ckpt-memory-every-n-steps",
+                     "1", "--max-steps", "4", "--ckpt-every-n-steps", "4",
+                     DISTRUN_PLUGINS=plugin_env(rec)["DISTRUN_PLUGINS"] + ",distrun_fsdp.plugin")
     lines = [ln for ln in out.splitlines() if "memory tier off" in ln]
     assert len(lines) == 1, out
     assert "sharded across nodes" in lines[0] and "disk only" in lines[0], lines
