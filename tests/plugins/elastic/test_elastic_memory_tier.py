@@ -154,7 +154,10 @@ def test_two_nodes_each_resume_from_their_own_memory(tmp_path, reference):
     out = _two_nodes(tmp_path, rec, "two", "--max-restarts", "1", "--ckpt-every-n-steps", "10",
                      "--ckpt-memory-every-n-steps", "1", EL_KILL_PLAN="0:13:1")
     assert "memory tier off" not in out, out
-    assert out.count("restarting the workers") == 2, out  # each node's launcher says it
+    # the killed rank's node says why; the other node's agent may see its worker's lost
+    # connection or the new round first: both nodes re-form, either way
+    assert "rank 1 exited with code 137; restarting the workers" in out, out
+    assert out.count("re-formed at 2 ranks on 2 hosts") == 2, out
     first, second = _starts(rec)[(1, 0)], _starts(rec)[(1, 1)]
     assert first["step"] == second["step"] == 12, (first, second)
     folders = {os.path.dirname(first["resumed_from"]), os.path.dirname(second["resumed_from"])}
