@@ -285,22 +285,23 @@ def wait_for_memory_save(run: Any) -> None:
             saver.wait()
 
 
-def _nodes(run: Any) -> list[tuple[int, ...]] | None:
-    """The global ranks of each node, known by the tier folder they share (every rank calls
-    this together; one process: none); None when a rank has no folder."""
+def _nodes(run: Any, extra: Any = None) -> tuple[list[tuple[int, ...]], list[Any]] | None:
+    """The global ranks of each node, known by the tier folder they share, and every rank's
+    ``(host, folder, extra)`` (every rank calls this together; one node: none); None when a
+    rank has no folder."""
     if run.world_size == 1 or run.world_size == _local_world(run):
         return None
     import torch.distributed as dist
 
     mine = tier_dir()
     seen: list[Any] = [None] * run.world_size
-    dist.all_gather_object(seen, (socket.gethostname(), mine) if mine else None)
+    dist.all_gather_object(seen, (socket.gethostname(), mine, extra) if mine else None)
     if any(s is None for s in seen):
         return None
     nodes: dict[Any, list[int]] = {}
-    for rank, key in enumerate(seen):
-        nodes.setdefault(tuple(key), []).append(rank)
-    return [tuple(ranks) for ranks in nodes.values()]
+    for rank, (host, folder, _) in enumerate(seen):
+        nodes.setdefault((host, folder), []).append(rank)
+    return [tuple(ranks) for ranks in nodes.values()], seen
 
 
 def node_tier(run: Any) -> Any:
@@ -314,17 +315,14 @@ def node_tier(run: Any) -> Any:
     if run.world_size == _local_world(run):
         return None if folder is None else NodeFolder(folder, folder, None, run.rank,
                                                       run.world_size)
-    nodes = _nodes(run)
-    if nodes is None or folder is None:
+    steps = frozenset(_step_of(f) for f in candidates(folder)[0]) if folder else None
+    known = _nodes(run, steps)
+    if known is None or folder is None:
         return None
-    import torch.distributed as dist
-
-    steps = frozenset(_step_of(f) for f in candidates(folder)[0])
-    each: list[Any] = [None] * run.world_size
-    dist.all_gather_object(each, (folder, steps))
-    common = frozenset.intersection(*(s for _, s in each))
+    nodes, seen = known
+    common = frozenset.intersection(*(s for _, _, s in seen))
     node = next(n for n in nodes if run.rank in n)
-    return NodeFolder(folder, each[0][0], common, node.index(run.rank), len(node))
+    return NodeFolder(folder, seen[0][1], common, node.index(run.rank), len(node))
 
 
 def _node_holds_all(model: Any, members: tuple[int, ...]) -> bool:
@@ -335,7 +333,7 @@ def _node_holds_all(model: Any, members: tuple[int, ...]) -> bool:
     for t in model.state_dict().values():
         if not is_dtensor(t):
             continue
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate  # (a DTensor: it imports)
 
         ranks = t.device_mesh.mesh
         dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
@@ -374,10 +372,11 @@ def start_tier(run: Any, every: int, max_gb: float) -> None:
     if run.config.get("ft"):  # (its launcher made no folder)
         why = "under --ft a replica group heals from a live replica instead"
     elif run.world_size != _local_world(run):
-        nodes = _nodes(run)
-        if nodes is None:
+        known = _nodes(run)
+        if known is None:
             why = "a node's launcher holds no folder for it (run under `distrun run`)"
         else:
+            nodes = known[0]
             node = next(n for n in nodes if run.rank in n)
             split = comm.agree(None if _node_holds_all(run.unwrapped_model(), node)
                                else f"rank {run.rank}")
