@@ -3,14 +3,15 @@
 From another terminal on a node of the run: the command reads the position records of the
 run's ranks on this host, asks each for its stacks (:mod:`distrun._diagnose.stacks`), prints
 the one-line summary the stall watcher would print, and writes the evidence to
-``RUN/stacks-N/`` (a run without a folder: the temporary folder). A multi-node run shows the
-ranks of the node where it is typed.
+``RUN/stacks-N/`` (a run without a folder: the temporary folder). A multi-node run: the
+ranks of this node ask the other nodes' ranks through the run's store
+(:mod:`distrun._diagnose.exchange`), and the line names every node's ranks (or the nodes whose
+report did not come in time).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from distrun._spec.markers import hookimpl
 __all__ = ["stacks_cmd"]
 
 
-def _choose(run: str | None) -> tuple[str, dict[str, str]]:
+def _choose(run: str | None) -> tuple[str, dict[str, Any]]:
     from distrun._diagnose.watcher import live_runs
 
     live = live_runs()
@@ -47,24 +48,24 @@ def _choose(run: str | None) -> tuple[str, dict[str, str]]:
 def stacks_cmd(run: str | None) -> None:
     """Print where each rank of a live RUN (its folder or name) is and write every thread's
     stack of each to RUN/stacks-N/ (without RUN: the one run live on this host)."""
-    from distrun._diagnose.position import read_position
+    from distrun._diagnose.exchange import across_nodes
     from distrun._diagnose.summary import summarize, write_evidence
-    from distrun._diagnose.watcher import diagnose_group, evidence_folder
+    from distrun._diagnose.watcher import evidence_folder, node_views
 
     folder, info = _choose(run)
-    ranks: dict[int, tuple[int, int | None]] = {}
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("rank") and name[4:].isdigit():
-            pos = read_position(os.path.join(folder, name))
-            if pos is not None:
-                ranks[pos.rank] = (pos.pid, None)
-    if not ranks:
+    views = node_views(folder)
+    if not views:
         raise UsageError("the run has no ranks running on this host yet (try again once they "
                          "started)")
-    views = diagnose_group(folder, ranks, socket.gethostname())
-    out = evidence_folder(info.get("run_dir") or info.get("log_dir") or "", base="stacks")
+    unseen = ""
+    nnodes = int(info.get("nnodes") or 1)
+    if nnodes > 1:
+        views, unseen = across_nodes(folder, [v.rank for v in views], views, nnodes,
+                                     int(info.get("node_rank") or 0),
+                                     f"stacks-{os.getpid()}-{time.time_ns()}", ask=True)
+    out = evidence_folder(str(info.get("run_dir") or info.get("log_dir") or ""), base="stacks")
     now = time.monotonic()
-    line = summarize(views, now, evidence=out + os.sep, title="positions")
+    line = summarize(views, now, evidence=out + os.sep, title="positions", unseen=unseen)
     write_evidence(out, views, line, now)
     click.echo(line)
 

@@ -16,6 +16,12 @@ meet there. It may not answer for long once a watcher goes on: ``--on-stall stop
 node's workers, rank 0 and its store among them. So no rank hands its watcher the reports
 before every node that published has read the others' (each marks it in the store), within
 the time a watcher waits.
+
+``distrun stacks`` typed on one node asks the other nodes too: its ranks post the request in
+the store (a counter and the key) and each rank of every node looks there every
+:data:`LOOK` seconds while its FIFO is quiet (one small request to the store); the first rank
+of a node to claim a request reads its node's positions and stacks itself
+(:func:`distrun._diagnose.watcher.node_views`) and publishes them under the request's key.
 """
 
 from __future__ import annotations
@@ -24,17 +30,61 @@ import contextlib
 import datetime
 import json
 import os
+import select
+import sys
 import threading
 import time
 from typing import Any
 
-from distrun._diagnose.watcher import COLLECT
-
-__all__ = ["KEY_PREFIX", "serve_exchange"]
+__all__ = ["ASK", "COLLECT", "KEY_PREFIX", "across_nodes", "serve_exchange"]
 
 KEY_PREFIX = "distrun/stall"
+#: seconds a rank collects the other nodes' reports
+COLLECT = 10.0
 #: of the seconds a rank collects, those left for the other nodes to read what it collected
 READ = 3.0
+#: seconds between a rank's looks in the store for another node's ``distrun stacks``
+LOOK = 2.0
+#: a FIFO line that starts so asks the other nodes too (``distrun stacks``); a stall's does
+#: not (every node's watcher found the stall and publishes its own report)
+ASK = "ask "
+
+
+def across_nodes(folder: str, ranks: list[int], views: list[Any], nnodes: int, node: int,
+                 key: str, ask: bool = False) -> tuple[list[Any], str]:
+    """Every node's views (:class:`~distrun._diagnose.summary.RankView`): this node's
+    ``views`` handed to its ``ranks`` through their FIFOs in ``folder``, which share them
+    through the run's store; this node's alone when no rank answers in time. And the nodes
+    that did not report ("0", "0,2"; "": none). ``ask``: the other nodes are asked too
+    (their watchers did not see a stall of their own)."""
+    from distrun._diagnose.summary import report_of, views_of
+
+    with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
+        json.dump(report_of(views, time.monotonic()), fh)
+    line = f"{ASK if ask else ''}{key}\n".encode()
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.join(folder, f"rank{rank}.ask"), os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+    path = os.path.join(folder, f"reports-{key}.json")
+    deadline = time.monotonic() + COLLECT + 3.0
+    reports: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as fh:
+                reports = json.load(fh)
+            if len(reports) >= nnodes:
+                break
+        time.sleep(0.1)
+    mine = {v.rank for v in views}
+    now = time.monotonic()
+    others = [v for name, report in sorted(reports.items())
+              if int(name) != node for v in views_of(report, now) if v.rank not in mine]
+    unseen = ",".join(str(n) for n in range(nnodes) if n != node and str(n) not in reports)
+    return sorted(views + others, key=lambda v: v.rank), unseen
 
 
 def serve_exchange(folder: str, rank: int, environ: dict[str, str] | None = None) -> bool:
@@ -54,34 +104,122 @@ def serve_exchange(folder: str, rank: int, environ: dict[str, str] | None = None
 
 
 def _serve(fd: int, folder: str, env: dict[str, str]) -> None:
+    asks = _Asks(folder, env)
     pending = b""
     while True:
         try:
+            ready, _, _ = select.select([fd], [], [], LOOK)
+            if not ready:
+                asks.look()
+                continue
             chunk = os.read(fd, 4096)
         except OSError:
             return
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
+            key = line.decode().strip()
             with contextlib.suppress(Exception):  # the diagnosis is lost, never the run
-                _answer(line.decode().strip(), folder, env)
+                if key.startswith(ASK):
+                    _answer(key[len(ASK):], folder, env, asks.post)
+                else:
+                    _answer(key, folder, env)
 
 
-def _answer(key: str, folder: str, env: dict[str, str]) -> None:
-    """Publish this node's report under ``key``, collect the others', write them back."""
+def _prefix(env: dict[str, str]) -> str:
+    # what every node of this attempt shares (a static run's launchers have each their own
+    # run id): the store is the run's own, the restart and the rendezvous round its attempt
+    return f"{KEY_PREFIX}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/" \
+           f"{env.get('DISTRUN_RDZV_GENERATION', '')}"
+
+
+def _store(env: dict[str, str], timeout: float) -> Any:
     import torch.distributed as dist
 
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+class _Asks:
+    """The requests of ``distrun stacks`` typed on another node: ``<prefix>/asks`` counts
+    them, ``<prefix>/asks/<n>`` holds the n-th's origin node and key."""
+
+    def __init__(self, folder: str, env: dict[str, str]) -> None:
+        self.folder, self.env = folder, env
+        self.node = int(env.get("GROUP_RANK", "0"))
+        self.key = f"{_prefix(env)}/asks"
+        self.store: Any = None
+        self.seen = -1  # -1: not looked yet (the requests before the first look are old)
+        self.retry_at = 0.0
+
+    def _client(self) -> Any:
+        # not before the rank's main thread joined its process group: torch imported in
+        # this thread while the main thread imports it leaves half a module there
+        dist = sys.modules.get("torch.distributed")
+        try:
+            joined = dist is not None and dist.is_initialized()
+        except AttributeError:
+            joined = False
+        if joined and self.store is None and time.monotonic() >= self.retry_at:
+            try:
+                self.store = _store(self.env, LOOK)
+            except Exception:  # not up yet, or gone: look again later
+                self.retry_at = time.monotonic() + 10 * LOOK
+        return self.store
+
+    def post(self, store: Any, key: str) -> None:
+        """In a rank of the node where ``distrun stacks`` was typed: ask the other nodes
+        (once, whichever of the node's ranks comes first)."""
+        if store.add(f"{self.key}/{key}/posted", 1) == 1:
+            n = store.add(self.key, 1)
+            store.set(f"{self.key}/{n}", f"{self.node} {key}")
+
+    def look(self) -> None:
+        """Answer the requests posted since the last look, for this node."""
+        store = self._client()
+        if store is None:
+            return
+        try:
+            count = store.add(self.key, 0)
+            if self.seen < 0:
+                self.seen = count
+            while self.seen < count:
+                self.seen += 1
+                origin, key = store.get(f"{self.key}/{self.seen}").decode().split(" ", 1)
+                if int(origin) != self.node and \
+                        store.add(f"{self.key}/{key}/node{self.node}", 1) == 1:
+                    self._report(key)
+        except Exception:  # the store is gone (the run ends) or slow: never the run
+            self.store = None
+            self.retry_at = time.monotonic() + 10 * LOOK
+
+    def _report(self, key: str) -> None:
+        from distrun._diagnose.summary import report_of
+        from distrun._diagnose.watcher import node_views
+
+        views = node_views(self.folder)
+        with open(os.path.join(self.folder, f"node-{key}.json"), "w") as fh:
+            json.dump(report_of(views, time.monotonic()), fh)
+        _answer(key, self.folder, self.env, collect=False)
+
+
+def _answer(key: str, folder: str, env: dict[str, str], post: Any = None,
+            collect: bool = True) -> None:
+    """Publish this node's report under ``key``, collect the others', write them back.
+    ``post``: also ask the other nodes (``distrun stacks``); ``collect=False``: publish
+    only (the answer to another node's request)."""
     nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
     node = int(env.get("GROUP_RANK", "0"))
     with open(os.path.join(folder, f"node-{key}.json")) as fh:
         mine = fh.read()
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=COLLECT))
-    # what every node of this attempt shares (a static run's launchers have each their own
-    # run id): the store is the run's own, the restart and the rendezvous round its attempt
-    prefix = f"{KEY_PREFIX}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/" \
-             f"{env.get('DISTRUN_RDZV_GENERATION', '')}/{key}"
+    store = _store(env, COLLECT)
+    prefix = f"{_prefix(env)}/{key}"
     store.set(f"{prefix}/{node}", mine)
+    if post is not None:
+        post(store, key)
+    if not collect:
+        store.set(f"{prefix}/read/{node}", "1")
+        return
     got: dict[int, Any] = {node: json.loads(mine)}
     started = time.monotonic()
     while len(got) < nnodes and time.monotonic() < started + COLLECT - READ:

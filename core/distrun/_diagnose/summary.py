@@ -115,8 +115,9 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
             doing = f"{_PLURAL.get(verb, verb)} {rest}"
         parts.append(f"{_ranks(group)} {doing}")
     if unseen:
+        own = "; that node's launcher prints its own line" if title == "stall" else ""
         parts.append(f"the ranks of node {unseen} are not seen here (its report did not come "
-                     "in time; that node's launcher prints its own line)")
+                     f"in time{own})")
     tail = f"; stacks: {evidence}" if evidence else ""
     return f"{head}: " + "; ".join(parts) + tail
 

@@ -28,20 +28,20 @@ import threading
 import time
 from typing import Any
 
+from distrun._diagnose.exchange import across_nodes
 from distrun._diagnose.position import Position, read_position
 from distrun._diagnose.processes import busy_sessions, process_state
 from distrun._diagnose.stacks import dump_stacks
-from distrun._diagnose.summary import RankView, report_of, summarize, views_of, write_evidence
+from distrun._diagnose.summary import RankView, summarize, write_evidence
 
-__all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "stall_limit"]
+__all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "live_runs", "node_views",
+           "stall_limit"]
 
 #: the default limit: at least this many seconds, and this many steps of the slowest rank
 MIN_STALL = 60.0
 STEPS = 20
 #: the default limit stays under this share of --timeout
 UNDER_TIMEOUT = 0.8
-#: seconds a rank collects the other nodes' reports (:mod:`distrun._diagnose.exchange`)
-COLLECT = 10.0
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -91,22 +91,39 @@ def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]],
     return views
 
 
+def node_views(folder: str) -> list[RankView]:
+    """Every rank of this node that keeps a record in ``folder``, as :class:`RankView`
+    (``distrun stacks``, and a rank that answers another node's request for it)."""
+    ranks: dict[int, tuple[int, int | None]] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank") and name[4:].isdigit():
+            pos = read_position(os.path.join(folder, name))
+            if pos is not None:
+                ranks[pos.rank] = (pos.pid, None)
+    return diagnose_group(folder, ranks, socket.gethostname()) if ranks else []
+
+
 #: what a positions folder says of its run, for ``distrun stacks RUN``
 RUN_FILE = "run.json"
 
 
-def _describe_run(folder: str, config: Any) -> None:
+def _describe_run(folder: str, config: Any, group: Any) -> None:
     run_dir = getattr(config, "run_dir", "")
+    ranks = getattr(group, "ranks", None)
     info = {"run_dir": os.path.abspath(run_dir) if run_dir else "",
-            "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", "")}
+            "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", ""),
+            "host": socket.gethostname(), "nnodes": int(getattr(ranks, "nnodes", 1) or 1),
+            "node_rank": int(getattr(ranks, "node_rank", 0) or 0)}
     with contextlib.suppress(OSError), open(os.path.join(folder, RUN_FILE), "w") as fh:
         json.dump(info, fh)
 
 
-def live_runs() -> list[tuple[str, dict[str, str]]]:
+def live_runs() -> list[tuple[str, dict[str, Any]]]:
     """The worker groups alive on this host: (positions folder, what :data:`RUN_FILE`
-    says of the run), those whose launcher is alive."""
+    says of the run), those whose launcher is alive (and named this host: the testbed's
+    hosts share one temporary folder)."""
     out = []
+    here = socket.gethostname()
     for path in sorted(glob.glob(os.path.join(tempfile.gettempdir(), "distrun-positions-*"))):
         pid = os.path.basename(path)[len("distrun-positions-"):].split("-")[0]
         if not pid.isdigit() or not os.path.exists(f"/proc/{pid}"):
@@ -116,7 +133,8 @@ def live_runs() -> list[tuple[str, dict[str, str]]]:
                 info = json.load(fh)
         except (OSError, ValueError):
             info = {}
-        out.append((path, info))
+        if info.get("host", here) == here:
+            out.append((path, info))
     return out
 
 
@@ -145,7 +163,7 @@ class StallWatcher:
     def started(self, group: Any) -> None:
         if not getattr(group, "positions", None):
             return
-        _describe_run(group.positions, self.config)
+        _describe_run(group.positions, self.config, group)
         if self.configured == 0:
             return
         self._stop = threading.Event()
@@ -158,42 +176,6 @@ class StallWatcher:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         self._thread = None
-
-    def _across_nodes(self, group: Any, views: list[RankView], nnodes: int,
-                      ) -> tuple[list[RankView], str]:
-        """Every node's views: this node's report handed to its ranks, which share it
-        through the run's store (:mod:`distrun._diagnose.exchange`); this node's alone when
-        no rank answers in time. And the nodes that did not report ("0", "0,2"; "": none)."""
-        key = str(self.count)
-        folder = group.positions
-        with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
-            json.dump(report_of(views, time.monotonic()), fh)
-        for w in group.workers:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(folder, f"rank{w.rank}.ask"),
-                             os.O_WRONLY | os.O_NONBLOCK)
-                try:
-                    os.write(fd, f"{key}\n".encode())
-                finally:
-                    os.close(fd)
-        path = os.path.join(folder, f"reports-{key}.json")
-        deadline = time.monotonic() + COLLECT + 3.0
-        reports: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                with open(path) as fh:
-                    reports = json.load(fh)
-                if len(reports) >= nnodes:
-                    break
-            time.sleep(0.1)
-        mine = {v.rank for v in views}
-        now = time.monotonic()
-        others = [v for node, report in sorted(reports.items())
-                  if int(node) != group.ranks.node_rank for v in views_of(report, now)
-                  if v.rank not in mine]
-        unseen = ",".join(str(n) for n in range(nnodes)
-                          if n != group.ranks.node_rank and str(n) not in reports)
-        return sorted(views + others, key=lambda v: v.rank), unseen
 
     def _watch(self, group: Any, stop: threading.Event) -> None:
         last: dict[int, Position] = {}
@@ -236,7 +218,8 @@ class StallWatcher:
         nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
         unseen = ""
         if nnodes > 1:
-            views, unseen = self._across_nodes(group, views, nnodes)
+            views, unseen = across_nodes(group.positions, [w.rank for w in group.workers],
+                                         views, nnodes, group.ranks.node_rank, str(self.count))
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
         folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
                                  count=self.count)
