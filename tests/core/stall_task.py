@@ -54,7 +54,9 @@ class Samples(torch.utils.data.Dataset):
 
 class StallTask(distrun.Task):
     def configure_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        # a block (8 -> 16 -> 8) and a head: --strategy tp finds a pair of layers to split
+        return nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)),
+                             nn.Linear(8, 1))
 
     def configure_optimizer(self, params):
         return torch.optim.SGD(params, lr=0.01)

@@ -68,15 +68,25 @@ def test_a_rank_stuck_in_its_training_step_is_named_with_its_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "pp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "pp", "tp", "rpc",
+                                      pytest.param("deepspeed", marks=pytest.mark.extended)])
 def test_a_rank_stuck_under_another_strategy_is_named_the_same_way(tmp_path, strategy):
-    result = _task_run(tmp_path, "step", "--strategy", strategy)
+    """rpc: trainers 0 and 1, and rank 2 serves them (it takes no steps, so it is never the
+    one behind; TensorPipe's polling thread does not make the waiting ranks look busy)."""
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    flags = ["--strategy", strategy]
+    if strategy == "rpc":
+        flags = [*flags, "--nproc-per-node", "3"]
+    result = _task_run(tmp_path, "step", *flags)
     line = _stall(result, tmp_path, tmp_path / "runs" / "s" / "stall-1")
     m = re.search(r"stall at step (\d+): rank 1 \(host [^,]+, pid \d+\) in training_step for "
                   r"\d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\); rank 0 ", line)
     assert m, line
     # (pp calls training_step once per micro-batch: its 20th call is in step 3)
     assert m.group(1) == ("3" if strategy == "pp" else "20"), line
+    if strategy == "rpc":
+        assert re.search(r"; rank 2 serving the trainers \(takes no steps\) for \d+ s;", line), line
 
 
 @pytest.mark.slow

@@ -61,6 +61,7 @@ class Phase(IntEnum):
     SCRIPT = 10  # a plain script: somewhere in the user's code
     DONE = 11
     CHECKPOINT = 12  # a checkpoint save (run.save_checkpoint), where the step-end hooks run it
+    SERVING = 13  # a rank that serves the others and takes no steps (an RPC parameter server)
 
 
 #: how each phase reads in a summary
@@ -71,7 +72,8 @@ PHASE_WORDS = {
     Phase.FORWARD: "in training_step", Phase.BACKWARD: "in backward",
     Phase.OPTIMIZER: "in the optimizer step", Phase.CHECKPOINT: "saving a checkpoint",
     Phase.EPOCH_END: "at its epoch's end (no batches "
-    "left)", Phase.SCRIPT: "in the script", Phase.DONE: "done"}
+    "left)", Phase.SCRIPT: "in the script", Phase.DONE: "done",
+    Phase.SERVING: "serving the trainers (takes no steps)"}
 
 #: the collectives a rank can wait in, numbered from 1 in the record
 COLLECTIVES = (

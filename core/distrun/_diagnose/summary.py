@@ -97,7 +97,8 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
     ``unseen``: the nodes whose ranks are missing from ``views`` (they did not report), said
     in the line; no rank is then called "not behind" on the evidence of the others alone."""
     views = sorted(views, key=lambda v: v.rank)
-    placed = [v.position for v in views if v.position is not None]
+    placed = [v.position for v in views
+              if v.position is not None and v.position.phase != Phase.SERVING]
     head = title
     if placed and all(p.phase in _SCRIPT for p in placed) and not any(p.step for p in placed):
         head = f"{title} after collective #{min(p.seq for p in placed)}"
@@ -133,6 +134,8 @@ def _culprits(views: list[RankView], stalled: bool) -> tuple[list[RankView], str
     unplaced = [v for v in views if v.position is None]
     if unplaced:
         return unplaced, ""
+    # a serving rank (RPC parameter server) takes no steps: it holds nobody up by that
+    views = [v for v in views if v.position is None or v.position.phase != Phase.SERVING]
     pos = {v.rank: v.position for v in views if v.position is not None}
     odd = _diverged(views, pos)
     if odd is not None:

@@ -46,6 +46,8 @@ def setup_run(run: Run) -> None:
     info = choose_strategy(run.config, run.world_size, collect_strategies(run.pm),
                            run.pm.is_blocked)
     run.strategy = info.build(run.config)
+    if not run.strategy.trains:  # (it serves in its setup; never behind: it takes no steps)
+        marks().phase(Phase.SERVING)
     run.strategy.setup(run)
     run.hook.distrun_setup_strategy(run=run)
     if not run.strategy.trains:

@@ -57,6 +57,9 @@ def engine_config(config: Any, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": int(config.grad_accum),
         "train_batch_size": per_rank * int(config.grad_accum) * world_size,
         "zero_optimization": {"stage": opts.ds_stage},
+        # a task's own torch optimizer (SGD, ...) under ZeRO, as the other strategies take
+        # it; DeepSpeed refuses those it has not tested unless told (--ds-config may say no)
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # distrun logs the steps
         "wall_clock_breakdown": False,
     }

@@ -16,9 +16,11 @@ _KEEP: list[Any] = []
 
 
 class Blocks(distrun.Task):
-    """Eight linear blocks on a fixed regression: ZeRO partitions them over the ranks."""
+    """Eight linear blocks on a fixed regression: ZeRO partitions them over the ranks.
+    ``sgd``: SGD with momentum (an optimizer DeepSpeed has not tested) instead of AdamW."""
 
-    def __init__(self) -> None:
+    def __init__(self, sgd: bool = False) -> None:
+        self.sgd = sgd
         gen = torch.Generator().manual_seed(7)
         self.x = torch.randn(128, 32, generator=gen)
         self.y = torch.randn(128, 32, generator=gen)
@@ -30,6 +32,8 @@ class Blocks(distrun.Task):
         return nn.Sequential(*layers)
 
     def configure_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
     def train_data(self) -> Any:
@@ -55,7 +59,8 @@ def fit_all(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str,
         options = dict(options)
         if "port" in options:  # each fit meets on a store of its own
             os.environ["MASTER_PORT"] = str(options.pop("port"))
-        run = distrun.Trainer(summary=False, **options).fit(Blocks())
+        sgd = options.pop("sgd", False)
+        run = distrun.Trainer(summary=False, **options).fit(Blocks(sgd))
         _KEEP.append(run)
         full = run.optimizer.state_dict()  # collective under DeepSpeed: every rank calls it
         weights = run.unwrapped_model().state_dict()  # gathered under ZeRO-3

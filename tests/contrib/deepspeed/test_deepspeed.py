@@ -43,6 +43,9 @@ def test_each_zero_stage_trains_as_ddp_does(tmp_path):
         "ds3": dict(strategy="deepspeed", ds_stage=3, ds_config=z3),
         "ddp_accum_clip": dict(strategy="ddp", grad_accum=2, grad_clip=0.05),
         "ds2_accum_clip": dict(strategy="deepspeed", ds_stage=2, grad_accum=2, grad_clip=0.05),
+        # a torch optimizer DeepSpeed has not tested trains under ZeRO as under ddp
+        "ddp_sgd": dict(strategy="ddp", sgd=True),
+        "ds2_sgd": dict(strategy="deepspeed", ds_stage=2, sgd=True),
     }
     listed = [dict(COMMON, run_dir=str(tmp_path / name), port=free_port(), **opts)
               for name, opts in runs.items()]
@@ -57,6 +60,8 @@ def test_each_zero_stage_trains_as_ddp_does(tmp_path):
                 _close({k: v for k, v in entry.items() if k != "step"},
                        {k: v for k, v in got[name]["optimizer"][i].items() if k != "step"}, 1e-5)
         _close(got["ddp_accum_clip"]["weights"], got["ds2_accum_clip"]["weights"], 2e-5)
+        assert got["ds2_sgd"]["engine"] == "DeepSpeedEngine"
+        _close(got["ddp_sgd"]["weights"], got["ds2_sgd"]["weights"], 2e-5)
         # the clip mattered: without it the same accumulation lands elsewhere
         moved = max((got["ds2_accum_clip"]["weights"][k] - got["ds2"]["weights"][k]).abs().max()
                     for k in got["ds2"]["weights"])
