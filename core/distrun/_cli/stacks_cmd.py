@@ -6,7 +6,8 @@ the one-line summary the stall watcher would print, and writes the evidence to
 ``RUN/stacks-N/`` (a run without a folder: the temporary folder). A multi-node run: the
 ranks of this node ask the other nodes' ranks through the run's store
 (:mod:`distrun._diagnose.exchange`), and the line names every node's ranks (or the nodes whose
-report did not come in time).
+report did not come in time). A launcher that runs several groups on a node (``--ft``'s
+replica groups): a line and a folder per group, the line led by the group's name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from distrun._spec.markers import hookimpl
 __all__ = ["stacks_cmd"]
 
 
-def _choose(run: str | None) -> tuple[str, dict[str, Any]]:
+def _choose(run: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The live worker groups of the run asked for: one, or the groups of one launcher that
+    runs several on this node (``--ft``'s replica groups)."""
     from distrun._diagnose.watcher import live_runs
 
     live = live_runs()
@@ -36,11 +39,12 @@ def _choose(run: str | None) -> tuple[str, dict[str, Any]]:
             "no distrun run is live on this host"
         raise UsageError(f"{where} (run `distrun stacks` on a node of a running `distrun run`, "
                          "with its run folder, e.g. runs/NAME)")
-    if len(live) > 1:
-        names = ", ".join(i.get("run_dir") or i.get("name") or f for f, i in live)
-        raise UsageError(f"{len(live)} runs are live on this host ({names}): name one, "
+    runs = {(i.get("run_dir") or i.get("name") or f) for f, i in live}
+    if len(live) > 1 and (len(runs) > 1 or not all(i.get("group") for _, i in live)):
+        names = ", ".join(sorted(runs))
+        raise UsageError(f"{len(runs)} runs are live on this host ({names}): name one, "
                          "`distrun stacks RUN`")
-    return live[0]
+    return sorted(live, key=lambda fi: str(fi[1].get("group", "")))
 
 
 @click.command("stacks")
@@ -52,22 +56,31 @@ def stacks_cmd(run: str | None) -> None:
     from distrun._diagnose.summary import summarize, write_evidence
     from distrun._diagnose.watcher import evidence_folder, node_views
 
-    folder, info = _choose(run)
-    views = node_views(folder)
-    if not views:
+    groups = _choose(run)
+    info = groups[0][1]
+    out = evidence_folder(str(info.get("run_dir") or info.get("log_dir") or ""), base="stacks")
+    lines = []
+    for folder, info in groups:
+        views = node_views(folder)
+        if not views:
+            continue
+        unseen = ""
+        nnodes = int(info.get("nnodes") or 1)
+        if nnodes > 1:
+            views, unseen = across_nodes(folder, [v.rank for v in views], views, nnodes,
+                                         int(info.get("node_rank") or 0),
+                                         f"stacks-{os.getpid()}-{time.time_ns()}", ask=True)
+        name = str(info.get("group") or "")
+        # several groups (--ft): a folder and a line each, named by the group
+        where = os.path.join(out, name.replace(" ", "-")) if len(groups) > 1 else out
+        now = time.monotonic()
+        line = summarize(views, now, evidence=where + os.sep, title="positions", unseen=unseen)
+        write_evidence(where, views, line, now)
+        lines.append(f"{name}: {line}" if len(groups) > 1 else line)
+    if not lines:
         raise UsageError("the run has no ranks running on this host yet (try again once they "
                          "started)")
-    unseen = ""
-    nnodes = int(info.get("nnodes") or 1)
-    if nnodes > 1:
-        views, unseen = across_nodes(folder, [v.rank for v in views], views, nnodes,
-                                     int(info.get("node_rank") or 0),
-                                     f"stacks-{os.getpid()}-{time.time_ns()}", ask=True)
-    out = evidence_folder(str(info.get("run_dir") or info.get("log_dir") or ""), base="stacks")
-    now = time.monotonic()
-    line = summarize(views, now, evidence=out + os.sep, title="positions", unseen=unseen)
-    write_evidence(out, views, line, now)
-    click.echo(line)
+    click.echo("\n".join(lines))
 
 
 @hookimpl

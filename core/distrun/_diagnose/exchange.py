@@ -45,8 +45,9 @@ COLLECT = 10.0
 READ = 3.0
 #: seconds between a rank's looks in the store for another node's ``distrun stacks``
 LOOK = 2.0
-#: a FIFO line that starts so asks the other nodes too (``distrun stacks``); a stall's does
-#: not (every node's watcher found the stall and publishes its own report)
+#: a FIFO line that starts so asks the other nodes too: ``distrun stacks``, and a watcher's
+#: stall (each node's watcher publishes its own report once it sees the stall, but one may see
+#: it later than the others wait)
 ASK = "ask "
 
 

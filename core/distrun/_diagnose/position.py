@@ -62,6 +62,7 @@ class Phase(IntEnum):
     DONE = 11
     CHECKPOINT = 12  # a checkpoint save (run.save_checkpoint), where the step-end hooks run it
     SERVING = 13  # a rank that serves the others and takes no steps (an RPC parameter server)
+    QUORUM = 14  # waiting for the other replica groups to meet (--ft): theirs to name
 
 
 #: how each phase reads in a summary
@@ -73,7 +74,13 @@ PHASE_WORDS = {
     Phase.OPTIMIZER: "in the optimizer step", Phase.CHECKPOINT: "saving a checkpoint",
     Phase.EPOCH_END: "at its epoch's end (no batches "
     "left)", Phase.SCRIPT: "in the script", Phase.DONE: "done",
-    Phase.SERVING: "serving the trainers (takes no steps)"}
+    Phase.SERVING: "serving the trainers (takes no steps)",
+    Phase.QUORUM: "waiting for the other replica groups (quorum)"}
+
+#: the phases a plugin's own loop marks (:meth:`distrun.plugin.Run.mark`), by name
+LOOP_PHASES = {p.name.lower(): p for p in (
+    Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.BOUNDARY,
+    Phase.VALIDATION, Phase.CHECKPOINT, Phase.QUORUM)}
 
 #: the collectives a rank can wait in, numbered from 1 in the record
 COLLECTIVES = (

@@ -29,19 +29,22 @@ import time
 from typing import Any
 
 from distrun._diagnose.exchange import across_nodes
-from distrun._diagnose.position import Position, read_position
+from distrun._diagnose.position import Phase, Position, read_position
 from distrun._diagnose.processes import busy_sessions, process_state
 from distrun._diagnose.stacks import dump_stacks
 from distrun._diagnose.summary import RankView, summarize, write_evidence
 
 __all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "live_runs", "node_views",
-           "stall_limit"]
+           "stall_limit", "under_timeout"]
 
 #: the default limit: at least this many seconds, and this many steps of the slowest rank
 MIN_STALL = 60.0
 STEPS = 20
-#: the default limit stays under this share of --timeout
+#: the default limit stays under this share of --timeout ...
 UNDER_TIMEOUT = 0.8
+#: ... and this many seconds under it: the watcher's own look (a poll, the look at the
+#: processes, the stacks) fits before a collective's timeout ends the run undiagnosed
+DETECT = 6.0
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -49,7 +52,13 @@ def stall_limit(configured: float, timeout: float, positions: list[Position]) ->
     if configured >= 0:
         return configured
     step = max((p.step_seconds for p in positions), default=0.0)
-    return min(max(MIN_STALL, STEPS * step), UNDER_TIMEOUT * timeout)
+    return min(max(MIN_STALL, STEPS * step), under_timeout(timeout))
+
+
+def under_timeout(timeout: float) -> float:
+    """The longest default limit for ``--timeout``: the stall is named before it ends the
+    run (0.8 of it, and :data:`DETECT` seconds under it; half of a very short one)."""
+    return max(min(UNDER_TIMEOUT * timeout, timeout - DETECT), 0.5 * timeout)
 
 
 def evidence_folder(parent: str, base: str = "stall", node: int | None = None,
@@ -95,7 +104,11 @@ def node_views(folder: str) -> list[RankView]:
     """Every rank of this node that keeps a record in ``folder``, as :class:`RankView`
     (``distrun stacks``, and a rank that answers another node's request for it)."""
     ranks: dict[int, tuple[int, int | None]] = {}
-    for name in sorted(os.listdir(folder)):
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:  # the group's workers ended meanwhile
+        return []
+    for name in names:
         if name.startswith("rank") and name[4:].isdigit():
             pos = read_position(os.path.join(folder, name))
             if pos is not None:
@@ -112,7 +125,8 @@ def _describe_run(folder: str, config: Any, group: Any) -> None:
     ranks = getattr(group, "ranks", None)
     info = {"run_dir": os.path.abspath(run_dir) if run_dir else "",
             "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", ""),
-            "host": socket.gethostname(), "nnodes": int(getattr(ranks, "nnodes", 1) or 1),
+            "host": socket.gethostname(), "group": getattr(group, "name", ""),
+            "nnodes": int(getattr(ranks, "nnodes", 1) or 1),
             "node_rank": int(getattr(ranks, "node_rank", 0) or 0)}
     with contextlib.suppress(OSError), open(os.path.join(folder, RUN_FILE), "w") as fh:
         json.dump(info, fh)
@@ -154,8 +168,9 @@ class StallWatcher:
         self.timeout = float(getattr(config, "timeout", 300.0))
         self.wait_on = getattr(config, "on_stall", "stop") == "wait"
         self.host = socket.gethostname()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        #: each watched group's thread and its stop (a launcher may run several groups on a
+        #: node with the same services: --ft's replica groups)
+        self._watching: dict[int, tuple[threading.Thread, threading.Event]] = {}
         #: the last stall's line (None: none so far)
         self.summary: str | None = None
         self.count = 0  # stalls so far: the key of each one's reports across nodes
@@ -166,16 +181,18 @@ class StallWatcher:
         _describe_run(group.positions, self.config, group)
         if self.configured == 0:
             return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(group, self._stop),
-                                        name="distrun-stall-watcher", daemon=True)
-        self._thread.start()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._watch, args=(group, stop),
+                                  name="distrun-stall-watcher", daemon=True)
+        self._watching[id(group)] = (thread, stop)
+        thread.start()
 
     def ended(self, group: Any) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10.0)
-        self._thread = None
+        thread, stop = self._watching.pop(id(group), (None, None))
+        if stop is not None:
+            stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
 
     def _watch(self, group: Any, stop: threading.Event) -> None:
         last: dict[int, Position] = {}
@@ -183,9 +200,12 @@ class StallWatcher:
         armed = reported = False
         poll = 1.0 if self.configured < 0 else min(1.0, max(0.05, self.configured / 10))
         while not stop.wait(poll):
+            folder = group.positions
+            if folder is None:  # the workers ended (the group removed their records)
+                return
             positions = {w.rank: p for w in list(group.workers)
-                         if (p := read_position(os.path.join(group.positions,
-                                                             f"rank{w.rank}"))) is not None}
+                         if (p := read_position(os.path.join(folder, f"rank{w.rank}")))
+                         is not None}
             now = time.monotonic()
             if any(p.moved(last.get(r)) for r, p in positions.items()):
                 moved_at, reported = now, False
@@ -196,6 +216,11 @@ class StallWatcher:
                 continue
             limit = stall_limit(self.configured, self.timeout, list(positions.values()))
             if reported or not limit or now - moved_at < limit:
+                continue
+            if positions and all(p.phase == Phase.QUORUM for p in positions.values()):
+                # every rank waits for the other replica groups (--ft): a stall there is
+                # theirs, named by their watchers, and torchft's timeouts bound this wait
+                moved_at = now
                 continue
             if _failing(group):
                 return  # a rank failed: the group's own wait names it
@@ -218,8 +243,11 @@ class StallWatcher:
         nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
         unseen = ""
         if nnodes > 1:
+            # (ask=True: a node whose own watcher has not seen the stall yet, under load or
+            # a quarter limit later after a look at its processes, still sends its report)
             views, unseen = across_nodes(group.positions, [w.rank for w in group.workers],
-                                         views, nnodes, group.ranks.node_rank, str(self.count))
+                                         views, nnodes, group.ranks.node_rank, str(self.count),
+                                         ask=True)
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
         folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
                                  count=self.count)
@@ -233,7 +261,8 @@ class StallWatcher:
         word = "warning" if self.wait_on else "error"
         lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()
         with lock:
-            sys.stderr.write(f"{word}: {line}\n")
+            name = getattr(group, "name", "")
+            sys.stderr.write(f"{word}: {name + ': ' if name else ''}{line}\n")
             sys.stderr.flush()
         if not self.wait_on:
             group.abort(line)

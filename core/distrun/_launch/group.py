@@ -110,7 +110,8 @@ class WorkerGroup:
     services every group it starts). ``store``: rank 0's rendezvous socket, handed to global rank 0
     when it is one of this group's (closed here once it is). ``warm``: spares to fork the
     workers from (:meth:`spares`; a rank whose spare cannot starts cold). ``cwd``: the
-    workers' directory.
+    workers' directory. ``name``: what the services' lines call the group where a launcher
+    runs several on a node ("replica group 1": ``error: replica group 1: stall at ...``).
     """
 
     STOP_GRACE = STOP_GRACE
@@ -123,8 +124,9 @@ class WorkerGroup:
                  error_dir: str | None = None, outputs: WorkerOutputs | None = None,
                  tee: bool = False, relay: Relay | LineSink | bool | None = None,
                  warm: WarmPool | None = None, services: Sequence[NodeService] = (),
-                 cwd: str | None = None) -> None:
+                 cwd: str | None = None, name: str = "") -> None:
         self.command = list(command)
+        self.name = name
         self.ranks = ranks
         self.environ = dict(os.environ if environ is None else environ)
         self.extra_env = extra_env

@@ -9,7 +9,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from distrun._diagnose.position import Phase, marks
+from distrun._diagnose.position import LOOP_PHASES, Phase, marks
 from distrun._launch.generation import read_generation
 from distrun._spec.errors import EXIT_REQUEUE
 from distrun._spec.stash import Stash
@@ -279,6 +279,24 @@ class Run:
         training) and stop after the same step.
         """
         self.stop_requested = True
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """Where this rank is, from a plugin that runs its own loop (distrun-ft's): what the
+        stall watcher and ``distrun stacks`` show, as distrun's loop marks it. ``phase``:
+        ``data``, ``forward`` (the task's training_step), ``backward``, ``optimizer``,
+        ``boundary`` (between steps), ``validation``, ``checkpoint`` or ``quorum`` (waiting
+        for other replica groups: their stall, never this group's). ``step``: optimizer step
+        ``step`` is done (the watcher sees the run move; ``phase`` is then ignored). Costs a
+        write to shared memory; nothing where the launcher keeps no records."""
+        rec = marks()
+        if step is not None:
+            rec.step_done(step)
+            return
+        try:
+            rec.phase(LOOP_PHASES[phase])
+        except KeyError:
+            raise ValueError(f"run.mark({phase!r}): the phase is one of "
+                             f"{', '.join(LOOP_PHASES)}") from None
 
     def save_checkpoint(self, reason: str = "user") -> str | None:
         """Write a checkpoint now (every rank must call this together); returns its path."""

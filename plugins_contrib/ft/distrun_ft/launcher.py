@@ -155,7 +155,8 @@ def _start_group(group: _Group, config: Any, command: list[str], environ: dict[s
         extra[BARRIER_ENV] = barrier
     # the workers write to this launcher's streams (relay=False): their lines as they come
     group.workers = WorkerGroup(command, ranks, environ=environ, extra_env=extra, store=store,
-                                relay=False, services=services).start()
+                                relay=False, services=services,
+                                name=f"replica group {group.index}").start()
 
 
 class _Stop:
@@ -197,11 +198,11 @@ def launch_ft(config: Any, command: list[str], environ: dict[str, str]) -> int:
         lighthouse_proc, lighthouse = _start_lighthouse(config)
     first = int(FtOptions.of(config).ft_first_replica)
     if "stall_timeout" not in config.sources:
-        # A group whose peer group hangs waits in torchft's quorum up to its own timeout, then
-        # goes on without it: the stall watcher of each group must not end it sooner. Its
-        # limit sits between torchft's bound and --timeout.
-        t = timeouts(config)
-        config = config.with_values(stall_timeout=max(0.8 * t.group, (t.quorum + t.group) / 2))
+        # A group with a hung rank still heartbeats: the others wait for it in the quorum
+        # (their watchers leave that wait alone: run.mark("quorum")) until its own watcher
+        # names the rank and ends the group, and the lighthouse drops it. That must come
+        # before the waiting groups give up (--timeout): the quorum's bound is the limit.
+        config = config.with_values(stall_timeout=timeouts(config).quorum)
     services = config.node_services()  # told of every group's starts and ends
     groups = [_Group(first + g) for g in range(n)]
     stop = _Stop()

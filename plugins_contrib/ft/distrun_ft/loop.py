@@ -186,6 +186,7 @@ def fit_ft(run: Any) -> Any:
             stopped = _stop_agreed(run)
             if stopped:
                 break
+            run.mark("quorum")  # (a wait for the other groups: never this group's stall)
             manager.start_quorum()
             _refuse_a_foreign_quorum(run, manager, replica)
             state.replica_rank = manager.participating_rank() or 0
@@ -225,10 +226,12 @@ def fit_ft(run: Any) -> Any:
             mine, epoch = samples(step)
             run.progress.epoch = epoch
             run.optimizer.zero_grad(set_to_none=True)
+            run.mark("forward")
             out = run.hook.distrun_training_step(run=run, batch=collate([data[i] for i in mine]))
             loss = out["loss"] if isinstance(out, dict) else out
             # the group's mean (ddp), then the groups' mean (torchft): the global batch's mean
             scale = len(mine) * inner_world * state.participants / batch
+            run.mark("backward")
             run.hook.distrun_backward(run=run, loss=loss * scale)
             grads = _local_grads(params)
             flat = _flat(grads)
@@ -243,8 +246,10 @@ def fit_ft(run: Any) -> Any:
                         first_line(why.original_exception) if why is not None
                         else "a peer did not commit")
                 continue  # the same samples again, with the next quorum
+            run.mark("optimizer")
             run.hook.distrun_optimizer_step(run=run)
             run.progress.step = step + 1
+            run.mark("boundary", step=run.progress.step)
             run.progress.samples += batch
             metrics = {"loss": loss.detach(), "ft_participants": state.participants,
                        "ft_quorum_id": state.quorum_id, "ft_replica_rank": state.replica_rank}
@@ -289,13 +294,18 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
         mine, epoch = samples(at)
         run.progress.epoch = epoch
         run.optimizer.zero_grad(set_to_none=True)
+        run.mark("forward")
         out = run.hook.distrun_training_step(run=run, batch=collate([data[i] for i in mine]))
         loss = out["loss"] if isinstance(out, dict) else out
         # the mean over this group's share of the global batch (its strategy averages ranks)
         lo, hi = share(batch, state.participants, state.replica_rank)
+        run.mark("backward")
         run.hook.distrun_backward(run=run, loss=loss * (len(mine) * inner_world / (hi - lo)))
+        run.mark("optimizer")
         run.hook.distrun_optimizer_step(run=run)
         run.progress.step = at + 1
+        run.mark("boundary", step=run.progress.step)
+    run.mark("quorum")
     if not window.sync(manager):
         window.rewind()
         if run.strategy.rank == 0:

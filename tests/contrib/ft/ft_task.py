@@ -24,6 +24,10 @@ once the last gradient of its backward pass is produced, right before the loop i
 cross-group all-reduce that cannot complete without the victim. The test kills the victim
 group once both files exist: the peer is then waiting inside the all-reduce.
 
+The hang (``FT_HANG_STEP=S``, ``FT_HANG_VICTIM=G``), in group G's first life only: at step S
+rank 1 of group G writes the time to ``$FT_RECORD/hung-at`` and sleeps in its training_step
+(a deadlock of one rank); its group's stall watcher is to name it and end the group.
+
 The save hold (``FT_HOLD_SAVE_STEP=S``, ``FT_HOLD_VICTIM=G``), in group G's first life only:
 when that group writes the durable checkpoint of step S, each of its ranks writes its files
 into the checkpoint's temporary folder, then writes its pid to ``$FT_RECORD/saver-held-rank<R>``
@@ -105,6 +109,13 @@ def distrun_training_step(run, batch):
         os.kill(os.getpid(), 9)
     hold = os.environ.get("FT_HOLD_STEP")
     first_life = os.environ.get("DISTRUN_FT_ATTEMPT", "0") == "0"
+    hang = os.environ.get("FT_HANG_STEP")
+    if hang and first_life and run.progress.step + 1 == int(hang):
+        where, replica, rank = _where()
+        if replica == int(os.environ["FT_HANG_VICTIM"]) and rank == 1:
+            with open(os.path.join(where, "hung-at"), "w") as fh:
+                fh.write(repr(time.time()))
+            time.sleep(600)  # stands for a deadlock
     if hold and first_life and run.progress.step + 1 == int(hold):
         where, replica, rank = _where()
         if replica == int(os.environ["FT_HOLD_VICTIM"]):

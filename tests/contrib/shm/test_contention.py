@@ -41,8 +41,12 @@ def test_three_ranks_wait_asleep_for_a_late_fourth_on_two_cores():
     out = run_on_ranks(contention_ranks.slow_peer, 4, _cpus(2), LATE, ROUNDS, timeout=180)
     for rank in out:
         assert rank["errors"] == []
+    # A rank that spins is runnable its whole wait (a share near 1, whatever else runs); a
+    # sleeping rank's share is its own work plus the time it queues for a core after each
+    # wake-up, which grows with the machine's other load (0.25 measured beside the full
+    # suite, a busy loop per core and more): half separates the two under any load.
     for rank in out[:3]:
-        assert all(share < 0.25 for share in rank["runnable"].values()), rank["runnable"]
+        assert all(share < 0.5 for share in rank["runnable"].values()), rank["runnable"]
 
 
 @pytest.mark.slow
