@@ -52,9 +52,8 @@ def _choose(run: str | None) -> list[tuple[str, dict[str, Any]]]:
 def stacks_cmd(run: str | None) -> None:
     """Print where each rank of a live RUN (its folder or name) is and write every thread's
     stack of each to RUN/stacks-N/ (without RUN: the one run live on this host)."""
-    from distrun._diagnose.exchange import across_nodes
     from distrun._diagnose.summary import summarize, write_evidence
-    from distrun._diagnose.watcher import evidence_folder, node_views
+    from distrun._diagnose.watcher import across_nodes, evidence_folder, node_views
 
     groups = _choose(run)
     info = groups[0][1]

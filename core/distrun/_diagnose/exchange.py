@@ -36,56 +36,15 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["ASK", "COLLECT", "KEY_PREFIX", "across_nodes", "serve_exchange"]
+from distrun._diagnose.watcher import ASK, COLLECT
+
+__all__ = ["KEY_PREFIX", "serve_exchange"]
 
 KEY_PREFIX = "distrun/stall"
-#: seconds a rank collects the other nodes' reports
-COLLECT = 10.0
 #: of the seconds a rank collects, those left for the other nodes to read what it collected
 READ = 3.0
 #: seconds between a rank's looks in the store for another node's ``distrun stacks``
 LOOK = 2.0
-#: a FIFO line that starts so asks the other nodes too: ``distrun stacks``, and a watcher's
-#: stall (each node's watcher publishes its own report once it sees the stall, but one may see
-#: it later than the others wait)
-ASK = "ask "
-
-
-def across_nodes(folder: str, ranks: list[int], views: list[Any], nnodes: int, node: int,
-                 key: str, ask: bool = False) -> tuple[list[Any], str]:
-    """Every node's views (:class:`~distrun._diagnose.summary.RankView`): this node's
-    ``views`` handed to its ``ranks`` through their FIFOs in ``folder``, which share them
-    through the run's store; this node's alone when no rank answers in time. And the nodes
-    that did not report ("0", "0,2"; "": none). ``ask``: the other nodes are asked too
-    (their watchers did not see a stall of their own)."""
-    from distrun._diagnose.summary import report_of, views_of
-
-    with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
-        json.dump(report_of(views, time.monotonic()), fh)
-    line = f"{ASK if ask else ''}{key}\n".encode()
-    for rank in ranks:
-        with contextlib.suppress(OSError):
-            fd = os.open(os.path.join(folder, f"rank{rank}.ask"), os.O_WRONLY | os.O_NONBLOCK)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
-    path = os.path.join(folder, f"reports-{key}.json")
-    deadline = time.monotonic() + COLLECT + 3.0
-    reports: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            with open(path) as fh:
-                reports = json.load(fh)
-            if len(reports) >= nnodes:
-                break
-        time.sleep(0.1)
-    mine = {v.rank for v in views}
-    now = time.monotonic()
-    others = [v for name, report in sorted(reports.items())
-              if int(name) != node for v in views_of(report, now) if v.rank not in mine]
-    unseen = ",".join(str(n) for n in range(nnodes) if n != node and str(n) not in reports)
-    return sorted(views + others, key=lambda v: v.rank), unseen
 
 
 def serve_exchange(folder: str, rank: int, environ: dict[str, str] | None = None) -> bool:

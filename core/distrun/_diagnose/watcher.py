@@ -28,14 +28,13 @@ import threading
 import time
 from typing import Any
 
-from distrun._diagnose.exchange import across_nodes
 from distrun._diagnose.position import Phase, Position, read_position
 from distrun._diagnose.processes import busy_sessions, process_state
 from distrun._diagnose.stacks import dump_stacks
-from distrun._diagnose.summary import RankView, summarize, write_evidence
+from distrun._diagnose.summary import RankView, report_of, summarize, views_of, write_evidence
 
-__all__ = ["StallWatcher", "diagnose_group", "evidence_folder", "live_runs", "node_views",
-           "stall_limit", "under_timeout"]
+__all__ = ["ASK", "COLLECT", "StallWatcher", "across_nodes", "diagnose_group", "evidence_folder",
+           "live_runs", "node_views", "stall_limit", "under_timeout"]
 
 #: the default limit: at least this many seconds, and this many steps of the slowest rank
 MIN_STALL = 60.0
@@ -45,6 +44,12 @@ UNDER_TIMEOUT = 0.8
 #: ... and this many seconds under it: the watcher's own look (a poll, the look at the
 #: processes, the stacks) fits before a collective's timeout ends the run undiagnosed
 DETECT = 6.0
+#: seconds a rank collects the other nodes' reports (:mod:`distrun._diagnose.exchange`)
+COLLECT = 10.0
+#: a FIFO line that starts so asks the other nodes too: ``distrun stacks``, and a watcher's
+#: stall (each node's watcher publishes its own report once it sees the stall, but one may see
+#: it later than the others wait)
+ASK = "ask "
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -75,6 +80,41 @@ def evidence_folder(parent: str, base: str = "stall", node: int | None = None,
     while os.path.exists(os.path.join(parent, f"{prefix}-{n}")):
         n += 1
     return os.path.join(parent, f"{prefix}-{n}")
+
+
+def across_nodes(folder: str, ranks: list[int], views: list[Any], nnodes: int, node: int,
+                 key: str, ask: bool = False) -> tuple[list[Any], str]:
+    """Every node's views (:class:`~distrun._diagnose.summary.RankView`): this node's
+    ``views`` handed to its ``ranks`` through their FIFOs in ``folder``, which share them
+    through the run's store; this node's alone when no rank answers in time. And the nodes
+    that did not report ("0", "0,2"; "": none). ``ask``: the other nodes' ranks are asked
+    too, and answer with their node's report whether or not their watcher saw a stall."""
+    with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
+        json.dump(report_of(views, time.monotonic()), fh)
+    line = f"{ASK if ask else ''}{key}\n".encode()
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.join(folder, f"rank{rank}.ask"), os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+    path = os.path.join(folder, f"reports-{key}.json")
+    deadline = time.monotonic() + COLLECT + 3.0
+    reports: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as fh:
+                reports = json.load(fh)
+            if len(reports) >= nnodes:
+                break
+        time.sleep(0.1)
+    mine = {v.rank for v in views}
+    now = time.monotonic()
+    others = [v for name, report in sorted(reports.items())
+              if int(name) != node for v in views_of(report, now) if v.rank not in mine]
+    unseen = ",".join(str(n) for n in range(nnodes) if n != node and str(n) not in reports)
+    return sorted(views + others, key=lambda v: v.rank), unseen
 
 
 def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]],
