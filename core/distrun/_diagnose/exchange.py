@@ -17,10 +17,11 @@ node's workers, rank 0 and its store among them. So no rank hands its watcher th
 before every node that published has read the others' (each marks it in the store), within
 the time a watcher waits.
 
-``distrun stacks`` typed on one node asks the other nodes too: its ranks post the request in
-the store (a counter and the key) and each rank of every node looks there every
-:data:`LOOK` seconds while its FIFO is quiet (one small request to the store); the first rank
-of a node to claim a request reads its node's positions and stacks itself
+A request asks the other nodes too (``distrun stacks`` typed on one node, and a watcher's
+stall, which another node's watcher may see later than the others wait): the asking node's
+ranks post it in the store (a counter and the key) and each rank of every node looks there
+every :data:`LOOK` seconds while its FIFO is quiet (one small request to the store); the first
+rank of a node to claim a request reads its node's positions and stacks itself
 (:func:`distrun._diagnose.watcher.node_views`) and publishes them under the request's key.
 """
 
@@ -101,8 +102,9 @@ def _store(env: dict[str, str], timeout: float) -> Any:
 
 
 class _Asks:
-    """The requests of ``distrun stacks`` typed on another node: ``<prefix>/asks`` counts
-    them, ``<prefix>/asks/<n>`` holds the n-th's origin node and key."""
+    """The requests of another node (its ``distrun stacks``, its watcher's stall):
+    ``<prefix>/asks`` counts them, ``<prefix>/asks/<n>`` holds the n-th's origin node and
+    key."""
 
     def __init__(self, folder: str, env: dict[str, str]) -> None:
         self.folder, self.env = folder, env
@@ -128,8 +130,8 @@ class _Asks:
         return self.store
 
     def post(self, store: Any, key: str) -> None:
-        """In a rank of the node where ``distrun stacks`` was typed: ask the other nodes
-        (once, whichever of the node's ranks comes first)."""
+        """In a rank of the asking node: ask the other nodes (once, whichever of the node's
+        ranks comes first)."""
         if store.add(f"{self.key}/{key}/posted", 1) == 1:
             n = store.add(self.key, 1)
             store.set(f"{self.key}/{n}", f"{self.node} {key}")
@@ -166,8 +168,8 @@ class _Asks:
 def _answer(key: str, folder: str, env: dict[str, str], post: Any = None,
             collect: bool = True) -> None:
     """Publish this node's report under ``key``, collect the others', write them back.
-    ``post``: also ask the other nodes (``distrun stacks``); ``collect=False``: publish
-    only (the answer to another node's request)."""
+    ``post``: also ask the other nodes; ``collect=False``: publish only (the answer to
+    another node's request)."""
     nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
     node = int(env.get("GROUP_RANK", "0"))
     with open(os.path.join(folder, f"node-{key}.json")) as fh:
