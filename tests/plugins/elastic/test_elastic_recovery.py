@@ -127,8 +127,10 @@ def test_sigterm_to_launcher_saves_exits_for_requeue_and_relaunch_resumes(tmp_pa
 def test_stalled_rank_times_out_and_the_group_restarts(tmp_path, reference):
     rec = tmp_path / "rec"
     train = [a if a != "60" else "8" for a in TRAIN]  # --timeout 8
+    # (--stall-timeout 0: the collective's timeout is the path under test; the stall
+    # watcher, which names the rank first at its default limit, has its own restart tests)
     result = run_cli("run", "--max-restarts", "1", "--ckpt-every-n-steps", "2", *train,
-                     "--name", "stall", TASK, cwd=tmp_path,
+                     "--stall-timeout", "0", "--name", "stall", TASK, cwd=tmp_path,
                      env=plugin_env(rec, EL_STALL="0:5:1"), timeout=200)
     # Rank 1 sleeps an hour inside step 5: rank 0's all-reduce must fail after 8 s instead.
     assert result.returncode == 0, result
