@@ -68,7 +68,7 @@ def stacks_cmd(run: str | None) -> None:
         if nnodes > 1:
             views, unseen = across_nodes(folder, [v.rank for v in views], views, nnodes,
                                          int(info.get("node_rank") or 0),
-                                         f"stacks-{os.getpid()}-{time.time_ns()}", ask=True)
+                                         f"stacks-{os.getpid()}-{time.time_ns()}")
         name = str(info.get("group") or "")
         # several groups (--ft): a folder and a line each, named by the group
         where = os.path.join(out, name.replace(" ", "-")) if len(groups) > 1 else out

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from distrun._diagnose.watcher import ASK, COLLECT
+from distrun._diagnose.watcher import COLLECT
 
 __all__ = ["KEY_PREFIX", "serve_exchange"]
 
@@ -81,10 +81,7 @@ def _serve(fd: int, folder: str, env: dict[str, str]) -> None:
             line, pending = pending.split(b"\n", 1)
             key = line.decode().strip()
             with contextlib.suppress(Exception):  # the diagnosis is lost, never the run
-                if key.startswith(ASK):
-                    _answer(key[len(ASK):], folder, env, asks.post)
-                else:
-                    _answer(key, folder, env)
+                _answer(key, folder, env, asks.post)
 
 
 def _prefix(env: dict[str, str]) -> str:

@@ -33,7 +33,7 @@ from distrun._diagnose.processes import busy_sessions, process_state
 from distrun._diagnose.stacks import dump_stacks
 from distrun._diagnose.summary import RankView, report_of, summarize, views_of, write_evidence
 
-__all__ = ["ASK", "COLLECT", "StallWatcher", "across_nodes", "diagnose_group", "evidence_folder",
+__all__ = ["COLLECT", "StallWatcher", "across_nodes", "diagnose_group", "evidence_folder",
            "live_runs", "node_views", "stall_limit", "under_timeout"]
 
 #: the default limit: at least this many seconds, and this many steps of the slowest rank
@@ -46,10 +46,6 @@ UNDER_TIMEOUT = 0.8
 DETECT = 6.0
 #: seconds a rank collects the other nodes' reports (:mod:`distrun._diagnose.exchange`)
 COLLECT = 10.0
-#: a FIFO line that starts so asks the other nodes too: ``distrun stacks``, and a watcher's
-#: stall (each node's watcher publishes its own report once it sees the stall, but one may see
-#: it later than the others wait)
-ASK = "ask "
 
 
 def stall_limit(configured: float, timeout: float, positions: list[Position]) -> float:
@@ -83,15 +79,16 @@ def evidence_folder(parent: str, base: str = "stall", node: int | None = None,
 
 
 def across_nodes(folder: str, ranks: list[int], views: list[Any], nnodes: int, node: int,
-                 key: str, ask: bool = False) -> tuple[list[Any], str]:
+                 key: str) -> tuple[list[Any], str]:
     """Every node's views (:class:`~distrun._diagnose.summary.RankView`): this node's
     ``views`` handed to its ``ranks`` through their FIFOs in ``folder``, which share them
     through the run's store; this node's alone when no rank answers in time. And the nodes
-    that did not report ("0", "0,2"; "": none). ``ask``: the other nodes' ranks are asked
-    too, and answer with their node's report whether or not their watcher saw a stall."""
+    that did not report ("0", "0,2"; "": none). The other nodes' ranks are asked too, and
+    answer with their node's report whether or not their own watcher saw a stall (it may see
+    it later than this node waits; ``distrun stacks`` finds no stall at all)."""
     with open(os.path.join(folder, f"node-{key}.json"), "w") as fh:
         json.dump(report_of(views, time.monotonic()), fh)
-    line = f"{ASK if ask else ''}{key}\n".encode()
+    line = f"{key}\n".encode()
     for rank in ranks:
         with contextlib.suppress(OSError):
             fd = os.open(os.path.join(folder, f"rank{rank}.ask"), os.O_WRONLY | os.O_NONBLOCK)
@@ -283,11 +280,8 @@ class StallWatcher:
         nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
         unseen = ""
         if nnodes > 1:
-            # (ask=True: a node whose own watcher has not seen the stall yet, under load or
-            # a quarter limit later after a look at its processes, still sends its report)
             views, unseen = across_nodes(group.positions, [w.rank for w in group.workers],
-                                         views, nnodes, group.ranks.node_rank, str(self.count),
-                                         ask=True)
+                                         views, nnodes, group.ranks.node_rank, str(self.count))
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
         folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
                                  count=self.count)
