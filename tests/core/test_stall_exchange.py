@@ -40,3 +40,28 @@ def test_a_node_holds_its_watcher_until_the_other_node_read_its_report(tmp_path)
     assert json.loads((folder / "reports-1.json").read_text()) == {"0": {"seen": [0]},
                                                                     "1": {"seen": [1]}}
     assert store.check([f"{prefix}/read/0"])  # and it told node 1 it read its report
+
+
+def test_a_request_is_answered_though_posted_before_the_node_first_looked(tmp_path):
+    """A rank whose first look at the store comes after another node asked (its client
+    failed, or it joined late) still answers; one whose asker stopped collecting is passed
+    over. (Each rank looks every LOOK seconds; the CI run that named no rank of node 0 had
+    a rank that took the requests before its first look for old ones.)"""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    prefix = f"{exchange.KEY_PREFIX}/0/3"
+    asker = exchange._Asks(str(tmp_path), _env(store.port, 1))
+    asker.post(store, "stacks-late")  # node 1's distrun stacks, before node 0 ever looked
+    asker.post(store, "stacks-old")
+    store.set(f"{prefix}/stacks-old/read/1", "1")  # node 1 gave up on this one
+    folder = tmp_path / "node0"
+    folder.mkdir()
+    node0 = exchange._Asks(str(folder), _env(store.port, 0))
+    node0.store = exchange._store(_env(store.port, 0), 10)  # (its rank joined its group)
+    node0.look()
+    assert json.loads(store.get(f"{prefix}/stacks-late/0")) == {"views": []}  # (no records)
+    assert store.check([f"{prefix}/stacks-late/read/0"])
+    assert not store.check([f"{prefix}/stacks-old/0"])
+    asker.post(store, "stacks-next")  # and the next request, at the next look
+    node0.look()
+    assert store.check([f"{prefix}/stacks-next/0"])

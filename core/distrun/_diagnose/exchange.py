@@ -108,7 +108,7 @@ class _Asks:
         self.node = int(env.get("GROUP_RANK", "0"))
         self.key = f"{_prefix(env)}/asks"
         self.store: Any = None
-        self.seen = -1  # -1: not looked yet (the requests before the first look are old)
+        self.seen = 0  # requests answered or passed over (the prefix is this attempt's)
         self.retry_at = 0.0
 
     def _client(self) -> Any:
@@ -121,9 +121,9 @@ class _Asks:
             joined = False
         if joined and self.store is None and time.monotonic() >= self.retry_at:
             try:
-                self.store = _store(self.env, LOOK)
-            except Exception:  # not up yet, or gone: look again later
-                self.retry_at = time.monotonic() + 10 * LOOK
+                self.store = _store(self.env, 2 * LOOK)
+            except Exception:  # not up yet, slow, or gone: look again at the next look
+                self.retry_at = time.monotonic() + LOOK
         return self.store
 
     def post(self, store: Any, key: str) -> None:
@@ -140,17 +140,17 @@ class _Asks:
             return
         try:
             count = store.add(self.key, 0)
-            if self.seen < 0:
-                self.seen = count
             while self.seen < count:
+                origin, key = store.get(f"{self.key}/{self.seen + 1}").decode().split(" ", 1)
                 self.seen += 1
-                origin, key = store.get(f"{self.key}/{self.seen}").decode().split(" ", 1)
+                # (an asker that stopped collecting marked it read: too late to answer)
                 if int(origin) != self.node and \
+                        not store.check([f"{_prefix(self.env)}/{key}/read/{origin}"]) and \
                         store.add(f"{self.key}/{key}/node{self.node}", 1) == 1:
                     self._report(key)
-        except Exception:  # the store is gone (the run ends) or slow: never the run
-            self.store = None
-            self.retry_at = time.monotonic() + 10 * LOOK
+        except Exception:  # the store is gone (the run ends) or slow: never the run; a
+            self.store = None  # request is looked at again with a new client
+            self.retry_at = time.monotonic() + LOOK
 
     def _report(self, key: str) -> None:
         from distrun._diagnose.summary import report_of
