@@ -228,13 +228,13 @@ class Recorder:
                 self._since = time.monotonic()
                 _PHASE.pack_into(self._map, 16, Phase.SCRIPT, self._since)
 
-    def take_times(self) -> list[float]:
-        """Each phase's seconds since the last call (the current phase's so far included)."""
+    def totals(self) -> list[float]:
+        """Each phase's seconds so far (the current phase's included), by :class:`Phase`:
+        each reader keeps the totals it last read and takes the difference."""
         now = time.monotonic()
         self.times[self.current] += now - self._since
         self._since = now  # (the record's ``since`` stays: the phase did not change)
-        out, self.times = self.times, [0.0] * len(Phase)
-        return out
+        return list(self.times)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -4,27 +4,34 @@ A synchronous job runs at the pace of its slowest rank, and its collectives hide
 that is: under DDP every rank's step takes as long, the others' extra time spent waiting in
 the gradient all-reduce. What differs is the time a rank spends on its own: loading data,
 its ``training_step`` (the forward) and the optimizer step, read from its position record
-(:meth:`~distrun._diagnose.position.Recorder.take_times`). Backward is left out: under DDP and
+(:meth:`~distrun._diagnose.position.Recorder.totals`). Backward is left out: under DDP and
 FSDP it holds the wait for the others.
 
-Each rank adds its own times to the step boundary's existing reduction (a sum in which the
-other ranks' slots are zeros, :class:`~distrun._train.step_sync.StepSync`), so every rank
-learns every rank's times with no collective of its own. This module judges them, the same
-way on every rank: a window closes after :data:`WINDOW_STEPS` steps; a rank whose compute
-time in a window is at least :data:`SLOWER` times the median of the others', and
-:data:`MIN_EXCESS` seconds a step more, is slow in that window; slow in
-:data:`SUSTAINED` windows in a row, it is named (once a run per rank). Torch-free.
+Each rank adds its own times to a reduction its loop runs anyway (a sum in which the other
+ranks' slots are zeros: :class:`ComputeTimes`): the step boundary's
+(:class:`~distrun._train.step_sync.StepSync`), and under ``--ft`` the replica group's log
+reduction and the gradients' all-reduce across the groups (distrun-ft, through
+:meth:`~distrun._train.run.Run.compute_times`). So every rank learns every rank's times with
+no collective of its own. :class:`Stragglers` judges them, the same way on every rank: a
+window closes after :data:`WINDOW_STEPS` steps; a rank whose compute time in a window is at
+least :data:`SLOWER` times the median of the others', and :data:`MIN_EXCESS` seconds a step
+more, is slow in that window; slow in :data:`SUSTAINED` windows in a row, it is named (once
+a run per rank). Torch-free.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "SLOTS", "Spread", "Stragglers"]
+from distrun._diagnose.position import Phase, recorder
+
+__all__ = ["PHASES", "SLOTS", "ComputeTimes", "Spread", "Stragglers"]
 
 #: the phases a rank spends on its own, in the order of its slots
 PHASES = ("data", "forward", "optimizer")
+_OWN = (Phase.DATA, Phase.FORWARD, Phase.OPTIMIZER)  # (PHASES, as the record's phases)
 #: slots per rank in the reduction: each phase's seconds per step, then the rank's node
 SLOTS = len(PHASES) + 1
 #: a window's steps, its slowness ratio and least excess, and the windows in a row
@@ -46,9 +53,12 @@ class Spread:
 class Stragglers:
     """Judges the ranks' compute times as the reductions bring them (see module doc)."""
 
-    def __init__(self, world_size: int, host: str = "") -> None:
+    def __init__(self, world_size: int, host: str = "",
+                 name: Callable[[int], str] | None = None) -> None:
         self.world_size = world_size
         self.host = host
+        #: what a line calls the n-th of those compared (None: ``rank n (host h)``)
+        self.name = name
         self._sums = [[0.0] * len(PHASES) for _ in range(world_size)]
         self._steps = [0.0] * world_size
         self._nodes = [0] * world_size
@@ -105,12 +115,60 @@ class Stragglers:
         medians = [statistics.median(v[i] for r, v in per_step.items() if r != rank)
                    for i in range(len(PHASES))]
         worst = max(range(len(PHASES)), key=lambda i: own[i] - medians[i])
-        nodes = set(self._nodes)
-        where = f"host {self.host}" if len(nodes) == 1 and self.host else \
-            f"node {self._nodes[rank]}"
+        if self.name is not None:
+            who = self.name(rank)
+        else:
+            who = f"rank {rank} (host {self.host})" if len(set(self._nodes)) == 1 and \
+                self.host else f"rank {rank} (node {self._nodes[rank]})"
         ratio = sum(own) / others if others else float("inf")
         longer = f"{ratio:.1f}x as long as" if ratio >= 2 else f"{(ratio - 1) * 100:.0f}% " \
             "longer than"
-        return (f"rank {rank} ({where}) computes {longer} the others for "
+        return (f"{who} computes {longer} the others for "
                 f"{SUSTAINED * WINDOW_STEPS} steps: {PHASES[worst]} {own[worst] * 1e3:.1f} ms "
                 f"vs {medians[worst] * 1e3:.1f} ms a step (the whole run waits for it)")
+
+
+class ComputeTimes:
+    """This rank's side of the comparison, for a SUM reduction its loop already runs.
+
+    ``world`` take part, this rank as the ``index``-th, timed from step ``start`` on (the
+    step its loop starts at): :meth:`pack` gives the :attr:`size`
+    floats it adds to the reduction (its seconds per step in each of :data:`PHASES` since it
+    last packed, and its node; zeros in the others' places), :meth:`add` judges what the
+    reduction summed (:class:`Stragglers`, the same on every rank). Each instance reads the
+    rank's record on its own: a loop may keep several (distrun-ft: the group's ranks, and this
+    rank against its counterparts in the other replica groups)."""
+
+    def __init__(self, world: int, index: int, start: int, host: str = "", node: int = 0,
+                 name: Callable[[int], str] | None = None) -> None:
+        self.size = world * SLOTS
+        self.index, self.node = index, node
+        self.judge = Stragglers(world, host, name)
+        self._rec = recorder()
+        self._totals = self._rec.totals() if self._rec is not None else []
+        self._step = start  # the step last packed at (first: the step the loop starts at)
+        self._steps = 0  # the steps the last pack timed
+
+    def pack(self, step: int) -> list[float]:
+        """This rank's floats for the reduction at (the end of) step ``step``."""
+        slots = [0.0] * self.size
+        self._steps, self._step = step - self._step, step
+        if self._rec is None or self._steps <= 0:
+            return slots
+        totals, before = self._rec.totals(), self._totals
+        self._totals = totals
+        at = self.index * SLOTS
+        for i, phase in enumerate(_OWN):
+            slots[at + i] = (totals[phase] - before[phase]) / self._steps
+        slots[at + SLOTS - 1] = float(self.node)
+        return slots
+
+    def add(self, summed: list[float]) -> str | None:
+        """The reduction's sum of every rank's :meth:`pack` (of the steps this rank's last
+        pack timed): a line naming a rank when one became a straggler."""
+        return self.judge.add(summed, self._steps)
+
+    @property
+    def spread(self) -> Spread | None:
+        """The last closed window's spread (None: none closed yet)."""
+        return self.judge.spread

@@ -115,7 +115,7 @@ def _pack_window(run: Run, step: int) -> tuple[torch.Tensor, Callable[[torch.Ten
         if compile_s is not None:
             metrics["compile_s"] = compile_s
         sync = run.stash.get(STEP_SYNC)
-        spread = sync.stragglers.spread if sync is not None else None
+        spread = sync.times.spread if sync is not None else None
         if spread is not None:  # the ranks' compute time per step (distrun._diagnose.straggler)
             metrics.update(slowest_rank=float(spread.slowest_rank),
                            slowest_compute_ms=spread.slowest * 1e3,

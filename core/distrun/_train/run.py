@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distrun._diagnose.position import LOOP_PHASES, Phase, marks
+from distrun._diagnose.straggler import ComputeTimes
 from distrun._launch.generation import read_generation
 from distrun._spec.errors import EXIT_REQUEUE
 from distrun._spec.stash import Stash
@@ -297,6 +300,23 @@ class Run:
         except KeyError:
             raise ValueError(f"run.mark({phase!r}): the phase is one of "
                              f"{', '.join(LOOP_PHASES)}") from None
+
+    def compute_times(self, world: int | None = None, index: int | None = None,
+                      name: Callable[[int], str] | None = None) -> ComputeTimes:
+        """The slow-rank check for a plugin that runs its own loop (distrun-ft's), as distrun's
+        loop does it at its step boundary: this rank's compute time per step (data, forward,
+        optimizer, as :meth:`mark` marks them; backward holds the waits for the others) added
+        to a SUM reduction the loop runs anyway, every rank's judged from the sum.
+        ``world``, ``index``: who takes part in that reduction and this rank's place (the
+        run's world and rank); ``name``: what a line calls the n-th (by default ``rank 3
+        (host h1)``, or its node where the ranks span several).
+        ``pack(step)`` gives this rank's ``size`` floats at the end of step ``step`` (zeros in
+        the others' places); ``add(summed)`` returns a line naming a straggler once (log it
+        from one rank), and ``spread`` the last window's slowest and fastest (metrics)."""
+        return ComputeTimes(self.world_size if world is None else world,
+                            self.rank if index is None else index, self.progress.step,
+                            socket.gethostname(), int(os.environ.get("GROUP_RANK", "0") or 0),
+                            name)
 
     def save_checkpoint(self, reason: str = "user") -> str | None:
         """Write a checkpoint now (every rank must call this together); returns its path."""

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,8 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from distrun._diagnose import straggler
-from distrun._diagnose.position import Phase, recorder
 from distrun._spec.keys import STEP_SYNC
 
 if TYPE_CHECKING:
@@ -61,7 +57,6 @@ _VOTE = 4
 
 #: the largest world whose ranks' compute times ride in the reduction (SLOTS floats a rank)
 MAX_TIMED_WORLD = 1024
-_OWN = (Phase.DATA, Phase.FORWARD, Phase.OPTIMIZER)  # straggler.PHASES, as phases
 
 #: the loop's metrics for a log step: ``pack(step) -> (tensor, done)``, where ``tensor`` is
 #: float64 values to sum over ranks and ``done(summed)`` logs them
@@ -100,14 +95,9 @@ class StepSync(Joinable):
         self._packed = -1
         #: while a checkpoint is saved: the reduced windows, logged once it is (None: log now)
         self._held: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] | None = None
-        # each rank's compute time per step, in the reduction (distrun._diagnose.straggler)
-        world = run.world_size
-        self._timed = 0 if self.alone or world > MAX_TIMED_WORLD else world * straggler.SLOTS
-        self._rec = recorder()
-        self._node = float(os.environ.get("GROUP_RANK", "0") or 0)
-        self._timed_step = run.progress.step  # the step the rank's times were last taken at
-        self._timed_steps = 0  # the steps the reduction in flight timed
-        self.stragglers = straggler.Stragglers(world, socket.gethostname())
+        #: each rank's compute time per step, in the reduction (distrun._diagnose.straggler)
+        self.times = run.compute_times()
+        self._timed = 0 if self.alone or run.world_size > MAX_TIMED_WORLD else self.times.size
 
     # -- the loop's side -------------------------------------------------------------------
     def local_request(self) -> int:
@@ -201,7 +191,7 @@ class StepSync(Joinable):
         head = [float(request == FINISH), float(request == PREEMPT), seconds,
                 1.0 if seconds > 0 else 0.0]
         if self._timed:
-            head.extend(self._own_times(step) if seconds > 0 else [0.0] * self._timed)
+            head.extend(self.times.pack(step) if seconds > 0 else [0.0] * self._timed)
         head_t = torch.tensor(head, dtype=torch.float64, device=self.device)
         windows, self._windows = self._windows, []
         buf = torch.cat([head_t, *(p.to(self.device, torch.float64) for p, _ in windows)]) \
@@ -214,21 +204,6 @@ class StepSync(Joinable):
         self._pending = (work, buf, dones)
         self.next_vote = step + self.every
         return True
-
-    def _own_times(self, step: int) -> list[float]:
-        """This rank's slots: its seconds per step in each of its own phases since it last
-        sent them, and its node; zeros elsewhere (the sum fills in the other ranks')."""
-        slots = [0.0] * self._timed
-        steps, self._timed_step = step - self._timed_step, step
-        self._timed_steps = steps
-        if self._rec is None or steps <= 0:
-            return slots
-        times = self._rec.take_times()
-        at = self.run.rank * straggler.SLOTS
-        for i, phase in enumerate(_OWN):
-            slots[at + i] = times[phase] / steps
-        slots[at + straggler.SLOTS - 1] = self._node
-        return slots
 
     def _seconds_per_step(self, step: int) -> float:
         now = time.perf_counter()
@@ -249,8 +224,7 @@ class StepSync(Joinable):
             self.every = max(1, min(MAX_EVERY, math.ceil(VOTE_INTERVAL / per_step))) \
                 if per_step > 0 else MAX_EVERY
             if self._timed:
-                said = self.stragglers.add(buf[_VOTE:_VOTE + self._timed].tolist(),
-                                           self._timed_steps)
+                said = self.times.add(buf[_VOTE:_VOTE + self._timed].tolist())
                 if said and self.run.is_global_zero:
                     log.warning("warning: %s", said)
         self._finish(buf, dones)

@@ -83,6 +83,11 @@ class FtState:
     quorum_id: int = -1
     #: False while a restarted group waits for a peer: it holds no state of the run's yet
     joined: bool = True
+    #: the slow-rank checks (run.compute_times): this group's ranks, compared in its log
+    #: reduction; this rank against its counterparts in the other groups, in the all-reduce
+    #: across them (None: one rank, one group)
+    ranks: Any = None
+    groups: Any = None
 
 
 FT: StashKey[FtState] = StashKey("ft.state")
@@ -128,8 +133,28 @@ def _local_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return out
 
 
-def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.reshape(-1) for g in grads])
+def _flat(grads: list[torch.Tensor], tail: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors in one, for one all-reduce; ``tail`` after them."""
+    return torch.cat([g.reshape(-1) for g in grads] + ([tail] if tail is not None else []))
+
+
+def _times(state: FtState, step: int, like: list[torch.Tensor]) -> torch.Tensor | None:
+    """This rank's compute times per step to carry in the all-reduce across the groups that
+    ends step ``step`` (None: one group), as the tensors ``like``."""
+    if state.groups is None or not like:
+        return None
+    return torch.tensor(state.groups.pack(step), dtype=like[0].dtype, device=like[0].device)
+
+
+def _judge_groups(run: Any, state: FtState, tail: torch.Tensor) -> None:
+    """After a committed all-reduce across the groups: the compute times it carried (a mean
+    over the participants, so times them is the sum) judged; a group's straggler is said by
+    the lowest live group's rank."""
+    if state.groups is None or not tail.numel():
+        return
+    said = state.groups.add((tail.double() * state.participants).tolist())
+    if said and state.replica_rank == 0:
+        run.log.warning("warning: %s", said)
 
 
 def _unflatten(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
@@ -169,6 +194,13 @@ def fit_ft(run: Any) -> Any:
     window = Window(run, mode, every) if mode != "step" else None
     manager = _make_manager(run, replica, window)
     state = run.stash[FT] = FtState(manager, replica)
+    if run.world_size > 1:
+        state.ranks = run.compute_times()
+    if int(os.environ.get(GROUPS_ENV, "1")) > 1:
+        state.groups = run.compute_times(
+            int(os.environ[GROUPS_ENV]), replica,
+            name=lambda g: f"replica group {g}" + (f" (its rank {run.rank})"
+                                                   if run.world_size > 1 else ""))
     _meet(run, replica, timeouts(cfg).quorum)
     if run.progress.step:  # torchft's step counts committed syncs
         manager.load_state_dict({"step": run.progress.step // every, "batches_committed": 0})
@@ -234,7 +266,7 @@ def fit_ft(run: Any) -> Any:
             run.mark("backward")
             run.hook.distrun_backward(run=run, loss=loss * scale)
             grads = _local_grads(params)
-            flat = _flat(grads)
+            flat = _flat(grads, _times(state, step + 1, grads))
             manager.allreduce(flat).wait()
             _unflatten(grads, flat)
             if not manager.should_commit():
@@ -246,6 +278,7 @@ def fit_ft(run: Any) -> Any:
                         first_line(why.original_exception) if why is not None
                         else "a peer did not commit")
                 continue  # the same samples again, with the next quorum
+            _judge_groups(run, state, flat[sum(g.numel() for g in grads):])
             run.mark("optimizer")
             run.hook.distrun_optimizer_step(run=run)
             run.progress.step = step + 1
@@ -306,7 +339,7 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
         run.progress.step = at + 1
         run.mark("boundary", step=run.progress.step)
     run.mark("quorum")
-    if not window.sync(manager):
+    if not window.sync(manager, _times(state, start + steps, window.params)):
         window.rewind()
         if run.strategy.rank == 0:
             why = manager.errored()
@@ -315,6 +348,7 @@ def _train_window(run: Any, manager: Any, window: Window, state: FtState, sample
                             first_line(why.original_exception) if why is not None
                             else "a peer did not commit")
         return
+    _judge_groups(run, state, window.tail)
     run.progress.samples += batch * steps
     metrics = {"loss": loss.detach(), "ft_participants": state.participants,
                "ft_quorum_id": state.quorum_id, "ft_replica_rank": state.replica_rank}
@@ -354,11 +388,31 @@ def _validate(run: Any) -> None:
 def _log(run: Any, loss: torch.Tensor, state: FtState) -> None:
     value = loss.detach().to(torch.float64).reshape(1).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
+        # the group's ranks' compute times ride in the loss's reduction
+        times = state.ranks.pack(run.progress.step) if state.ranks is not None else []
+        value = torch.cat([value, torch.tensor(times, dtype=torch.float64,
+                                               device=value.device)])
         dist.all_reduce(value)
-        value /= dist.get_world_size()
+        if state.ranks is not None:
+            said = state.ranks.add(value[1:].tolist())
+            if said and run.rank == 0:
+                run.log.warning("warning: replica group %d: %s", state.replica, said)
+        value = value[:1] / dist.get_world_size()
     metrics = {"loss": float(value), "epoch": float(run.progress.epoch),
                "ft_participants": float(state.participants),
                "ft_quorum_id": float(state.quorum_id),
                "ft_replica_rank": float(state.replica_rank)}
+    # the compute times per step (run.compute_times): the group's ranks' as distrun's loop
+    # logs them, and the groups' (this rank's counterparts in them)
+    for spread, who, of in ((_spread(state.ranks), "rank", ""),
+                            (_spread(state.groups), "group", "_group")):
+        if spread is not None:
+            metrics.update({f"slowest_{who}": float(spread.slowest_rank),
+                            f"slowest{of}_compute_ms": spread.slowest * 1e3,
+                            f"fastest{of}_compute_ms": spread.fastest * 1e3})
     run.metrics.update(metrics)
     run.hook.distrun_log_metrics(run=run, step=run.progress.step, metrics=metrics)
+
+
+def _spread(times: Any) -> Any:
+    return times.spread if times is not None else None

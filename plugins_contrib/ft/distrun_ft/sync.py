@@ -44,6 +44,8 @@ class Window:
         self._weights: list[torch.Tensor] = []
         self._optimizer: dict[str, Any] = {}
         self._progress: dict[str, Any] = {}
+        #: what came back of the last committed sync's ``tail``
+        self.tail = torch.zeros(0)
 
     # what a healing group takes from its peer besides the model and the inner optimizer
     def state_dict(self) -> dict[str, Any]:
@@ -68,17 +70,20 @@ class Window:
         self.run.optimizer.load_state_dict(self._optimizer)
         self.run.progress.load_state_dict(self._progress)
 
-    def sync(self, manager: Any) -> bool:
-        """Average over the groups; False (nothing changed) when the sync did not commit."""
+    def sync(self, manager: Any, tail: torch.Tensor | None = None) -> bool:
+        """Average over the groups; False (nothing changed) when the sync did not commit.
+        ``tail``: more to average in the same all-reduce (the mean in :attr:`tail`)."""
         with torch.no_grad():
             now = [_local(p).detach() for p in self.params]
             if self.mode == "localsgd":
-                flat = torch.cat([t.reshape(-1) for t in now])
+                parts = [t.reshape(-1) for t in now]
             else:  # the pseudo-gradient
-                flat = torch.cat([(s - t).reshape(-1) for s, t in zip(self._weights, now)])
+                parts = [(s - t).reshape(-1) for s, t in zip(self._weights, now)]
+            flat = torch.cat(parts + ([tail] if tail is not None else []))
         manager.allreduce(flat).wait()  # the mean over the participants
         if not manager.should_commit():
             return False
+        self.tail = flat[flat.numel() - (tail.numel() if tail is not None else 0):]
         with torch.no_grad():
             at = 0
             for p, saved in zip(self.params, self._weights):

@@ -15,6 +15,8 @@ SIGKILLs itself at step S of its first life, after writing the time to ``killed-
 
 ``FT_STEP_SLEEP=S`` makes each step S seconds longer (a run that lasts while a test acts);
 with ``FT_SLOW_UNTIL=PATH`` only until the file PATH exists (the test releases the run).
+``FT_SLOW_MS=M`` with ``FT_SLOW_REPLICA=G`` (and ``FT_SLOW_RANK=R``: that rank alone) makes
+group G's training_step M ms longer at every step: a straggler, named by the slow-rank check.
 
 The hold hook (``FT_HOLD_STEP=S``, ``FT_HOLD_VICTIM=G``), in a group's first life only: at
 step S each rank of the victim group writes its pid to ``$FT_RECORD/victim-held-rank<R>`` and
@@ -101,6 +103,11 @@ def distrun_training_step(run, batch):
     slow_until = os.environ.get("FT_SLOW_UNTIL")
     if os.environ.get("FT_STEP_SLEEP") and not (slow_until and os.path.exists(slow_until)):
         time.sleep(float(os.environ["FT_STEP_SLEEP"]))
+    if os.environ.get("FT_SLOW_MS"):
+        _, replica, rank = _where()
+        if replica == int(os.environ["FT_SLOW_REPLICA"]) and \
+                rank == int(os.environ.get("FT_SLOW_RANK", rank)):
+            time.sleep(float(os.environ["FT_SLOW_MS"]) / 1e3)
     kill = os.environ.get("FT_KILL_STEP")  # benchmarks: the victim dies by itself
     if kill and run.progress.step + 1 == int(kill) and _is_victim():
         where, _, _ = _where()
