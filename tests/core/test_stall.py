@@ -67,6 +67,28 @@ def test_a_rank_stuck_in_its_training_step_is_named_with_its_line(tmp_path):
     assert "in training_step" in stacks and "stall_task.py" in stacks, stacks
 
 
+def test_a_rank_that_spins_while_the_others_wait_is_said_busy_once_and_the_timeout_ends_it(
+        tmp_path):
+    # a livelock looks like work: never called a stall (it might finish), but said once
+    result = run_cli("run", "--nproc-per-node", "2", "--stall-timeout", str(LIMIT),
+                     "--timeout", "15", "--name", "s", "--batch-size", "16",
+                     "stall_task:StallTask", cwd=tmp_path, timeout=120,
+                     env=_env(tmp_path, STALL_IN="step", STALL_HOW="spin"))
+    assert result.returncode == 1, result
+    assert "error: stall" not in result.stderr, result.stderr
+    busy = [ln for ln in result.stderr.splitlines() if ln.startswith("warning: busy")]
+    assert len(busy) == 1, result.stderr
+    assert re.search(r"^warning: busy at step 20: rank 1 \(host [^,]+, pid \d+\) in "
+                     r"training_step for \d+ s at stall_task\.py:\d+ \(.*\); rank 0 in backward "
+                     r"for \d+ s \(rank 1 burns CPU while the others wait: a livelock, or work "
+                     r"longer than they wait \(the collective timeout, 15 s, ends the run unless "
+                     r"it finishes\)\); stacks: runs/s/busy-1/$", busy[0]), busy
+    folder = tmp_path / "runs" / "s" / "busy-1"
+    took = (folder / "summary.txt").stat().st_mtime - float((tmp_path / "fault").read_text())
+    assert took <= LIMIT + SLACK, took
+    assert "stall_task.py" in (folder / "rank1.txt").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "pp", "tp", "rpc",
                                       pytest.param("deepspeed", marks=pytest.mark.extended)])

@@ -211,6 +211,7 @@ class StallWatcher:
         #: the last stall's line (None: none so far)
         self.summary: str | None = None
         self.count = 0  # stalls so far: the key of each one's reports across nodes
+        self.busy_count = 0  # busy ranks said so far (busy-N folders)
 
     def started(self, group: Any) -> None:
         if not getattr(group, "positions", None):
@@ -234,7 +235,7 @@ class StallWatcher:
     def _watch(self, group: Any, stop: threading.Event) -> None:
         last: dict[int, Position] = {}
         moved_at = time.monotonic()
-        armed = reported = False
+        armed = reported = warned = False
         poll = 1.0 if self.configured < 0 else min(1.0, max(0.05, self.configured / 10))
         while not stop.wait(poll):
             folder = group.positions
@@ -245,7 +246,7 @@ class StallWatcher:
                          is not None}
             now = time.monotonic()
             if any(p.moved(last.get(r)) for r, p in positions.items()):
-                moved_at, reported = now, False
+                moved_at, reported, warned = now, False, False
             last = positions
             if not armed:
                 armed = any(p.step > 0 or p.seq > 0 for p in positions.values())
@@ -261,8 +262,14 @@ class StallWatcher:
                 continue
             if _failing(group):
                 return  # a rank failed: the group's own wait names it
-            if busy_sessions({w.proc.pid for w in group.workers if w.proc.poll() is None}):
-                # slow, not stalled: a rank works (processes.py); look again in a quarter
+            running = {w.proc.pid: w.rank for w in group.workers if w.proc.poll() is None}
+            busy = busy_sessions(set(running))
+            if busy:
+                # slow, not stalled: a rank works (processes.py); look again in a quarter.
+                # While the others wait, said once: a livelock looks the same
+                if not warned and len(busy) < len(running):
+                    warned = True
+                    self._busy(group, sorted(running[pid] for pid in busy))
                 moved_at = time.monotonic() - 0.75 * limit
                 continue
             if _failing(group):  # (during the look at the processes)
@@ -271,6 +278,38 @@ class StallWatcher:
             self._stalled(group)
             if not self.wait_on:
                 return
+
+    def _busy(self, group: Any, ranks: list[int]) -> None:
+        """Ranks ``ranks`` burn CPU past the limit while the others wait for them: a
+        warning line with their stacks (this node's; the run goes on, and the collective
+        timeout ends it unless they finish)."""
+        codes = group.poll()
+        views = diagnose_group(group.positions, {w.rank: (w.proc.pid, c) for w, c in
+                                                 zip(group.workers, codes)}, self.host)
+        parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
+        nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
+        self.busy_count += 1
+        folder = evidence_folder(parent, "busy", node=group.ranks.node_rank
+                                 if nnodes > 1 else None, count=self.busy_count)
+        now = time.monotonic()
+        who = f"rank {ranks[0]} burns" if len(ranks) == 1 else \
+            f"ranks {','.join(map(str, ranks))} burn"
+        why = (f"{who} CPU while the others wait: a livelock, or work longer than they wait "
+               f"(the collective timeout, {self.timeout:g} s, ends the run unless it finishes)")
+        line = summarize(views, now, title="busy") + f" ({why})"
+        try:
+            write_evidence(folder, views, line, now)
+            line += f"; stacks: {folder}{os.sep}"
+        except OSError as exc:
+            line += f" (stacks not kept: {exc.strerror})"
+        self._say("warning", group, line)
+
+    def _say(self, word: str, group: Any, line: str) -> None:
+        lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()
+        with lock:
+            name = getattr(group, "name", "")
+            sys.stderr.write(f"{word}: {name + ': ' if name else ''}{line}\n")
+            sys.stderr.flush()
 
     def _stalled(self, group: Any) -> None:
         codes = group.poll()
@@ -292,11 +331,6 @@ class StallWatcher:
         except OSError as exc:
             line = summarize(views, now, unseen=unseen) + f" (stacks not kept: {exc.strerror})"
         self.summary = line
-        word = "warning" if self.wait_on else "error"
-        lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()
-        with lock:
-            name = getattr(group, "name", "")
-            sys.stderr.write(f"{word}: {name + ': ' if name else ''}{line}\n")
-            sys.stderr.flush()
+        self._say("warning" if self.wait_on else "error", group, line)
         if not self.wait_on:
             group.abort(line)
