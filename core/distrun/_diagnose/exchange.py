@@ -37,9 +37,10 @@ import threading
 import time
 from typing import Any
 
+from distrun._diagnose.position import PART_ENV
 from distrun._diagnose.watcher import COLLECT
 
-__all__ = ["KEY_PREFIX", "serve_exchange"]
+__all__ = ["KEY_PREFIX", "part_of", "serve_exchange"]
 
 KEY_PREFIX = "distrun/stall"
 #: of the seconds a rank collects, those left for the other nodes to read what it collected
@@ -48,10 +49,20 @@ READ = 3.0
 LOOK = 2.0
 
 
+def part_of(env: dict[str, str] | Any) -> tuple[int, int]:
+    """(this rank's group, the run's groups): the launcher's :data:`PART_ENV` (a group is a
+    node, or one rank where a launcher starts each rank), else torchrun's node and nodes."""
+    index, _, count = str(env.get(PART_ENV, "")).partition("/")
+    if index.isdigit() and count.isdigit():
+        return int(index), int(count)
+    return int(env.get("GROUP_RANK", "0") or 0), int(env.get("GROUP_WORLD_SIZE", "1") or 1)
+
+
 def serve_exchange(folder: str, rank: int, environ: dict[str, str] | None = None) -> bool:
-    """In a rank of a multi-node run: answer its watcher's requests (see module doc)."""
+    """In a rank of a run started in several groups (nodes, or srun's tasks): answer its
+    watcher's requests (see module doc)."""
     env = os.environ if environ is None else environ
-    if int(env.get("GROUP_WORLD_SIZE", "1") or 1) < 2 or not hasattr(os, "mkfifo"):
+    if part_of(env)[1] < 2 or not hasattr(os, "mkfifo"):
         return False
     path = os.path.join(folder, f"rank{rank}.ask")
     try:
@@ -105,7 +116,7 @@ class _Asks:
 
     def __init__(self, folder: str, env: dict[str, str]) -> None:
         self.folder, self.env = folder, env
-        self.node = int(env.get("GROUP_RANK", "0"))
+        self.node = part_of(env)[0]
         self.key = f"{_prefix(env)}/asks"
         self.store: Any = None
         self.seen = 0  # requests answered or passed over (the prefix is this attempt's)
@@ -167,8 +178,7 @@ def _answer(key: str, folder: str, env: dict[str, str], post: Any = None,
     """Publish this node's report under ``key``, collect the others', write them back.
     ``post``: also ask the other nodes; ``collect=False``: publish only (the answer to
     another node's request)."""
-    nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
-    node = int(env.get("GROUP_RANK", "0"))
+    node, nnodes = part_of(env)
     with open(os.path.join(folder, f"node-{key}.json")) as fh:
         mine = fh.read()
     store = _store(env, COLLECT)

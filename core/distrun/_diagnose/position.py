@@ -22,11 +22,15 @@ import time
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["COLLECTIVES", "POINT_TO_POINT", "POSITIONS_ENV", "Phase", "Position", "Recorder", "read_position",
+__all__ = ["COLLECTIVES", "PART_ENV", "POINT_TO_POINT", "POSITIONS_ENV", "Phase", "Position", "Recorder", "read_position",
            "recorder"]
 
 #: the folder where each rank of this node keeps its record (``rank<N>``), set by the group
 POSITIONS_ENV = "DISTRUN_POSITIONS"
+#: this rank's worker group among the run's, ``index/count``: the node and the nodes, or the
+#: rank and the world where a launcher starts each rank (``NodeRanks.part``); the groups'
+#: stall reports meet by it (:mod:`distrun._diagnose.exchange`)
+PART_ENV = "DISTRUN_PART"
 
 _MAGIC = b"DRP1"
 _SIZE = 128

@@ -159,12 +159,11 @@ RUN_FILE = "run.json"
 
 def _describe_run(folder: str, config: Any, group: Any) -> None:
     run_dir = getattr(config, "run_dir", "")
-    ranks = getattr(group, "ranks", None)
+    node, nnodes = _part(group)
     info = {"run_dir": os.path.abspath(run_dir) if run_dir else "",
             "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", ""),
             "host": socket.gethostname(), "group": getattr(group, "name", ""),
-            "nnodes": int(getattr(ranks, "nnodes", 1) or 1),
-            "node_rank": int(getattr(ranks, "node_rank", 0) or 0)}
+            "nnodes": nnodes, "node_rank": node}
     with contextlib.suppress(OSError), open(os.path.join(folder, RUN_FILE), "w") as fh:
         json.dump(info, fh)
 
@@ -187,6 +186,14 @@ def live_runs() -> list[tuple[str, dict[str, Any]]]:
         if info.get("host", here) == here:
             out.append((path, info))
     return out
+
+
+def _part(group: Any) -> tuple[int, int]:
+    """(index, count) of ``group`` among the run's groups of workers, whose stall reports
+    meet across them: its node and the nodes, or its rank and the world where a launcher
+    starts each rank (``NodeRanks.part``)."""
+    part = getattr(getattr(group, "ranks", None), "part", None)
+    return (int(part[0]), int(part[1])) if part else (0, 1)
 
 
 def _failing(group: Any) -> bool:
@@ -287,10 +294,10 @@ class StallWatcher:
         views = diagnose_group(group.positions, {w.rank: (w.proc.pid, c) for w, c in
                                                  zip(group.workers, codes)}, self.host)
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
-        nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
+        node, nnodes = _part(group)
         self.busy_count += 1
-        folder = evidence_folder(parent, "busy", node=group.ranks.node_rank
-                                 if nnodes > 1 else None, count=self.busy_count)
+        folder = evidence_folder(parent, "busy", node=node if nnodes > 1 else None,
+                                 count=self.busy_count)
         now = time.monotonic()
         who = f"rank {ranks[0]} burns" if len(ranks) == 1 else \
             f"ranks {','.join(map(str, ranks))} burn"
@@ -316,14 +323,13 @@ class StallWatcher:
         ranks = {w.rank: (w.proc.pid, c) for w, c in zip(group.workers, codes)}
         views = diagnose_group(group.positions, ranks, self.host)
         self.count += 1
-        nnodes = int(getattr(group.ranks, "nnodes", 1) or 1)
+        node, nnodes = _part(group)
         unseen = ""
         if nnodes > 1:
             views, unseen = across_nodes(group.positions, [w.rank for w in group.workers],
-                                         views, nnodes, group.ranks.node_rank, str(self.count))
+                                         views, nnodes, node, str(self.count))
         parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
-        folder = evidence_folder(parent, node=group.ranks.node_rank if nnodes > 1 else None,
-                                 count=self.count)
+        folder = evidence_folder(parent, node=node if nnodes > 1 else None, count=self.count)
         now = time.monotonic()
         line = summarize(views, now, evidence=folder + os.sep, unseen=unseen)
         try:

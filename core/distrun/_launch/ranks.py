@@ -16,6 +16,7 @@ from typing import Any
 
 from distrun._config.option_values import DEFAULT_SIGNALS
 from distrun._config.run_config import CONFIG_ENV
+from distrun._diagnose.position import PART_ENV
 from distrun._launch.binding import STORE_FD_ENV, server_env
 from distrun._launch.folder_lock import RUN_KEY_ENV
 from distrun._launch.generation import GENERATION_ENV
@@ -100,6 +101,16 @@ class NodeRanks:
     def rank_of(self, local_rank: int) -> int:
         return self.base_rank + local_rank
 
+    @property
+    def part(self) -> tuple[int, int]:
+        """(index, count) of this group among the groups the run's ranks are started in: the
+        node and the nodes, or the rank and the world where a launcher starts one rank (srun's
+        tasks, Ray's actors), on one node too. What the groups share among themselves (their
+        stall reports, :mod:`distrun._diagnose.exchange`) is keyed by it."""
+        if len(self.local_ranks) == 1 and self.world > self.nnodes:
+            return self.rank_of(self.local_ranks[0]), self.world
+        return self.node_rank, self.nnodes
+
     def env(self, local_rank: int, environ: Mapping[str, str],
             extra: Mapping[str, str] | None = None, error_file: str | None = None,
             store_fd: int | None = None) -> dict[str, str]:
@@ -124,6 +135,7 @@ class NodeRanks:
             env[GENERATION_ENV] = str(self.generation)
         if self.run_key:
             env[RUN_KEY_ENV] = self.run_key
+        env[PART_ENV] = "{}/{}".format(*self.part)
         if store_fd is not None and self.rank_of(local_rank) == 0:
             env[STORE_FD_ENV] = str(store_fd)
         env.update(extra or {})

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 
 from distrun.testing import free_port
@@ -124,3 +128,25 @@ def test_under_torchrun_each_worker_runs_its_rank_in_place(h, tmp_path, probe):
     assert infos[0]["sum"] == 1.0 and infos[0]["TORCHELASTIC_RUN_ID"] == infos[1][
         "TORCHELASTIC_RUN_ID"]
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+def test_srun_style_tasks_name_the_stalled_rank_of_another_task(h, tmp_path):
+    """Each srun task's launcher watches its one rank: a rank that only waits is not the
+    culprit, so the tasks share their reports through the run's store (a task is a group of
+    its own, even on one node) and each launcher names rank 1, which hangs."""
+    port = free_port()
+    tasks = Path(__file__).resolve().parents[2] / "core"  # (stall_task)
+    procs = [h.start("run", "--stall-timeout", "5", "--timeout", "60", "--batch-size", "16",
+                     "--run-dir", str(tmp_path / "run"), "stall_task:StallTask",
+                     env=_slurm_task(h, r, port) | {
+                         "PYTHONPATH": os.pathsep.join([str(tasks), os.environ.get(
+                             "PYTHONPATH", "")]), "STALL_IN": "step",
+                         "STALL_MARK": str(tmp_path / "fault")}, cwd=tmp_path)
+             for r in range(2)]
+    for code, out in h.finish(procs):
+        assert code == 1, out
+        stall = [ln for ln in out.splitlines() if ln.startswith("error: stall")]
+        assert len(stall) == 1, out
+        assert re.search(r"^error: stall at step 20: rank 1 \(host \S+, pid \d+\) in "
+                         r"training_step for \d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\);"
+                         r" rank 0 in backward for \d+ s; stacks: ", stall[0]), stall
