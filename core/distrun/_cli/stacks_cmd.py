@@ -26,7 +26,8 @@ __all__ = ["stacks_cmd"]
 
 def _choose(run: str | None) -> list[tuple[str, dict[str, Any]]]:
     """The live worker groups of the run asked for: one, or the groups of one launcher that
-    runs several on this node (``--ft``'s replica groups)."""
+    runs several on this node (``--ft``'s replica groups); of a run whose launchers each
+    start one rank here (srun's tasks), one."""
     from distrun._diagnose.watcher import live_runs
 
     live = live_runs()
@@ -40,6 +41,11 @@ def _choose(run: str | None) -> list[tuple[str, dict[str, Any]]]:
         raise UsageError(f"{where} (run `distrun stacks` on a node of a running `distrun run`, "
                          "with its run folder, e.g. runs/NAME)")
     runs = {(i.get("run_dir") or i.get("name") or f) for f, i in live}
+    if len(live) > 1 and len(runs) == 1 and not any(i.get("group") for _, i in live) and \
+            all(int(i.get("nnodes") or 1) > 1 for _, i in live):
+        # one run whose launchers each start one rank here (srun's tasks): one of them asks
+        # the others, as it asks another node's
+        return [min(live, key=lambda fi: int(fi[1].get("node_rank") or 0))]
     if len(live) > 1 and (len(runs) > 1 or not all(i.get("group") for _, i in live)):
         names = ", ".join(sorted(runs))
         raise UsageError(f"{len(runs)} runs are live on this host ({names}): name one, "

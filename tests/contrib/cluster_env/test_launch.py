@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,32 @@ def test_srun_style_tasks_name_the_stalled_rank_of_another_task(h, tmp_path):
         assert re.search(r"^error: stall at step 20: rank 1 \(host \S+, pid \d+\) in "
                          r"training_step for \d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\);"
                          r" rank 0 in backward for \d+ s; stacks: ", stall[0]), stall
+
+
+def test_distrun_stacks_on_a_node_of_srun_tasks_shows_every_task(h, tmp_path):
+    """Two srun tasks' launchers on one node, one live run folder: ``distrun stacks`` asks
+    one task's ranks, which ask the other's, and shows both ranks in one line."""
+    port = free_port()
+    tasks = Path(__file__).resolve().parents[2] / "core"  # (stall_task)
+    env = {"PYTHONPATH": os.pathsep.join([str(tasks), os.environ.get("PYTHONPATH", "")]),
+           "STALL_IN": "step", "STALL_MARK": str(tmp_path / "fault")}
+    procs = [h.start("run", "--stall-timeout", "50", "--timeout", "60", "--batch-size", "16",
+                     "--run-dir", str(tmp_path / "run"), "stall_task:StallTask",
+                     env=_slurm_task(h, r, port) | env, cwd=tmp_path) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "fault").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+        time.sleep(1.0)  # (rank 0 reaches its backward's wait)
+        looked = h.distrun("stacks", str(tmp_path / "run"), env=h.base_env(), cwd=tmp_path)
+    finally:
+        for p in procs:
+            p.terminate()  # (a user's Ctrl-C: the launchers end their ranks)
+        h.finish(procs, timeout=60)
+    assert looked.returncode == 0, looked.stdout + looked.stderr
+    lines = looked.stdout.strip().splitlines()
+    assert len(lines) == 1, looked.stdout
+    assert re.search(r"^positions at step 20: rank 1 \(host \S+, pid \d+\) in training_step "
+                     r"for \d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\); rank 0 in "
+                     r"backward for \d+ s; stacks: ", lines[0]), lines
