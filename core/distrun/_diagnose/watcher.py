@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from distrun._diagnose.position import Phase, Position, read_position
@@ -207,7 +208,9 @@ class StallWatcher:
     """A :class:`~distrun.plugin.NodeService`: watches one group's ranks while they run."""
 
     def __init__(self, config: Any) -> None:
-        self.config = config
+        # the settings it reads, not the config: a Ray actor's group takes it to its process
+        self.config = SimpleNamespace(**{k: getattr(config, k, "") for k in
+                                         ("run_dir", "log_dir", "name")})
         self.configured = float(getattr(config, "stall_timeout", -1.0))
         self.timeout = float(getattr(config, "timeout", 300.0))
         self.wait_on = getattr(config, "on_stall", "stop") == "wait"
@@ -312,11 +315,14 @@ class StallWatcher:
         self._say("warning", group, line)
 
     def _say(self, word: str, group: Any, line: str) -> None:
-        lock = getattr(getattr(group, "relay", None), "lock", None) or threading.Lock()
-        with lock:
-            name = getattr(group, "name", "")
-            sys.stderr.write(f"{word}: {name + ': ' if name else ''}{line}\n")
-            sys.stderr.flush()
+        name = getattr(group, "name", "")
+        text = f"{word}: {name + ': ' if name else ''}{line}"
+        relay = getattr(group, "relay", None)
+        if relay is not None:  # (a Ray actor's goes on to its driver)
+            relay.say(text)
+            return
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
     def _stalled(self, group: Any) -> None:
         codes = group.poll()

@@ -163,6 +163,13 @@ class Relay:
         with self.lock:
             self._write(rank, self._pending.pop(key, []), dst)
 
+    def say(self, line: str) -> None:
+        """A line of the launcher's own (a node service's: the stall watcher's), whole,
+        between the ranks' lines."""
+        with self.lock:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
     def report(self, rank: RankLines, code: int, where: str = "",
                same: Sequence[int] = ()) -> None:
         """Say once, in one line, that ``rank`` failed with exit ``code`` (see
@@ -325,6 +332,10 @@ class SinkRelay(Relay):
 
     def flush(self, rank: RankLines, dst: IO[str]) -> None:
         """Nothing is held back: each piece went on as it came."""
+
+    def say(self, line: str) -> None:
+        """The launcher's own line goes on as ``say``."""
+        self.sink("say", line + "\n")
 
 
 def _line_ends(buf: str) -> list[int]:

@@ -27,7 +27,13 @@ class NodeService(Protocol):
     worker of ``group`` starts with (added after the launcher's own), asked at each start
     before the workers exist. That is how a service hands the ranks what it holds for them
     (the memory tier its folder). The launcher keeps one service object for all its groups and
-    restarts, so what the service made lives as long as the launcher does."""
+    restarts, so what the service made lives as long as the launcher does.
+
+    A launcher whose groups run in processes of their own (distrun-ray's actors, one rank
+    each) hands each group a copy (the service must pickle), and new copies to the groups of
+    a restart, placed anew. A service whose point is what it keeps from one start of the
+    workers to the next (the memory tier) says so with a true ``across_restarts`` and is
+    left out there."""
 
     def started(self, group: Any) -> None: ...
 

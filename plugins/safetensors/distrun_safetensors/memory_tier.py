@@ -85,6 +85,10 @@ class MemoryTier:
     first start of the node's workers to the launcher's end, through every restart.
     """
 
+    #: what it keeps is for the next start of the node's workers (a launcher that places
+    #: each restart anew leaves it out: distrun.plugin.NodeService)
+    across_restarts = True
+
     def __init__(self, root: str | None = None) -> None:
         self.root = root or _memory_root()
         self.path: str | None = None

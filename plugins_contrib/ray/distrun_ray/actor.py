@@ -52,21 +52,24 @@ class RankHost:
         return self.store.getsockname()[1]
 
     def start(self, command: Sequence[str], ranks: Any, base: Mapping[str, str], cwd: str,
-              bind: str | None = None) -> int:
+              bind: str | None = None, services: Sequence[Any] = ()) -> int:
         """Start the worker with this node's Python: ``ranks`` is the rank's
         :class:`~distrun.plugin.NodeRanks`, ``base`` the launcher's variables added to the
         actor's own.
 
         ``bind``: the address the worker's servers listen on (gloo's and tensorpipe's interface
-        is looked up on this node).
+        is looked up on this node). ``services``: the node services beside the rank (the stall
+        watcher: its lines go to the launcher with the rank's output).
         """
         from distrun.plugin import WorkerGroup
 
         argv = [sys.executable, *command[1:]]  # the launcher's interpreter path may differ here
         self.lines.clear()
+        if os.path.isdir(cwd):
+            os.chdir(cwd)  # (this process serves this rank alone: its folders resolve there)
         self.group = WorkerGroup(
             argv, dataclasses.replace(ranks, bind=bind), environ={**os.environ, **base},
-            store=self.store, relay=self._queue,
+            store=self.store, relay=self._queue, services=services,
             cwd=cwd if os.path.isdir(cwd) else None)
         self.store = None  # the group closes it once the worker holds it
         self.group.start()
@@ -77,15 +80,17 @@ class RankHost:
         the launcher to print, instead of printing it here."""
         self.lines.append((stream, text))
 
-    def poll(self) -> tuple[list[tuple[str, str]], int | None]:
-        """New output since the last poll, and the exit code once the worker is done."""
+    def poll(self) -> tuple[list[tuple[str, str]], int | None, str | None]:
+        """New output since the last poll (``out``, ``err``, or ``say``: a line of a node
+        service's), the exit code once the worker is done, and why the group ended it
+        itself (a stall's line; None: it did not)."""
         code = None if self.group is None else self.group.poll()[0]
         if code is not None:
             self.group.stop(grace=0.0)  # reaped, and all its lines read before the exit is said
         out = []
         while self.lines:
             out.append(self.lines.popleft())
-        return out, code
+        return out, code, None if self.group is None else self.group.aborted
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the worker (and its children)."""

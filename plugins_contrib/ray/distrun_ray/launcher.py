@@ -72,6 +72,7 @@ class _Rank:
     err_tail: collections.deque[str] = field(  # its stderr lines
         default_factory=lambda: collections.deque(maxlen=20))
     lost: str | None = None  # why its actor cannot be reached (a Ray error's name)
+    aborted: str | None = None  # why its group ended it (a stall's line, said already)
 
     @property
     def node_name(self) -> str:
@@ -153,6 +154,7 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, relay: Relay) -> _Rank
     """Wait for every rank, their output on ``relay``; the first failed one (the others are
     stopped), or None."""
     forwarded = False
+    said: set[tuple[str, ...]] = set()  # the node services' lines said (one per stall)
     while True:
         live = [r for r in ranks if r.code is None]
         if not live:
@@ -165,10 +167,20 @@ def _run_group(ray: Any, ranks: list[_Rank], stop: _Stop, relay: Relay) -> _Rank
             _stop_ranks(ray, live, grace=0.0)
         for r in live:
             try:
-                lines, code = ray.get(r.actor.poll.remote(), timeout=60)
+                lines, code, aborted = ray.get(r.actor.poll.remote(), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                r.lost, lines, code = type(exc).__name__, [], -int(signal.SIGKILL)
+                r.lost, lines, code, aborted = type(exc).__name__, [], -int(signal.SIGKILL), None
+            r.aborted = r.aborted or aborted
             for stream, text in lines:
+                if stream == "say":
+                    # each rank's group has a watcher, and each prints the whole picture of
+                    # a stall (as each node's launcher does): said once, "error: stall at
+                    # step 20" the key
+                    key = tuple(text.split(": ", 2)[:2])
+                    if key not in said:
+                        said.add(key)
+                        relay.say(text.rstrip("\n"))
+                    continue
                 relay.emit(r, text, sys.stdout if stream == "out" else sys.stderr)
             if code is not None:  # its output is over: a last line without its newline too
                 relay.flush(r, sys.stdout)
@@ -258,6 +270,10 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
             starts = []
+            # each actor's group gets its own copy; a restart places new actors, so nothing
+            # that a service keeps for the next start would be read (the memory tier)
+            services = [s for s in cfg.node_services()
+                        if not getattr(s, "across_restarts", False)]
             for r in ranks:
                 layout = NodeRanks(
                     nproc=r.local_world, nnodes=nnodes, node_rank=r.node_rank, world_size=n,
@@ -266,7 +282,8 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
                     restart_count=attempt, max_restarts=restarts, config=cfg.to_json())
                 if log_dir:
                     r.log = open(os.path.join(log_dir, f"rank{r.rank}.log"), "a")  # noqa: SIM115
-                starts.append(r.actor.start.remote(command, layout, base, os.getcwd(), r.ip))
+                starts.append(r.actor.start.remote(command, layout, base, os.getcwd(), r.ip,
+                                                   services))
             ray.get(starts, timeout=120)
             relay = Relay(tee=config.tee)
             failed = _run_group(ray, ranks, stop, relay)
@@ -278,7 +295,9 @@ def launch_ray(config: RunConfig, command: list[str], environ: dict[str, str]) -
             if stop.signum is not None:
                 return code
             final = attempt == restarts
-            if failed.lost:
+            if any(r.aborted for r in ranks) and not failed.lost:
+                code = 1  # a stall: its line is said, the run ends as a timeout ends it
+            elif failed.lost:
                 if final:
                     last_word.append(functools.partial(_say_lost, failed, last=True))
                 else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -152,3 +153,26 @@ def test_workers_get_only_the_forwarded_launcher_variables():
     assert forwarded_env(environ, " MY_VAR , WANDB_KEY") == {
         "DISTRUN_CONFIG": "{}", "TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": "WARN",
         "OMP_NUM_THREADS": "1", "PYTHONPATH": "/src", "WANDB_KEY": "k", "MY_VAR": "v"}
+
+
+def test_a_stalled_rank_is_named_once_by_the_ray_launcher(h, tmp_path, ray_address):
+    """Each rank's actor watches its rank (the stall watcher, a node service of its group);
+    the actors share their reports through the run's store, and the launcher says the line
+    once: the rank that hangs, not the one that waits for it."""
+    tasks = Path(__file__).resolve().parents[2] / "core"  # (stall_task)
+    result = h.distrun("run", "--launcher", "ray", "--ray-address", ray_address,
+                       "--ray-num-workers", "2", "--ray-env", "STALL_IN,STALL_MARK",
+                       "--stall-timeout", "5", "--timeout", "60", "--batch-size", "16",
+                       "--name", "s", "stall_task:StallTask", cwd=tmp_path,
+                       env=h.clean_env(PYTHONPATH=os.pathsep.join(
+                           [str(tasks), os.environ.get("PYTHONPATH", "")]), STALL_IN="step",
+                           STALL_MARK=str(tmp_path / "fault")))
+    assert result.returncode == 1, result.stdout + result.stderr
+    err = result.stderr
+    stall = [ln for ln in err.splitlines() if ln.startswith("error: stall")]
+    assert len(stall) == 1, err
+    assert re.search(r"^error: stall at step 20: rank 1 \(host \S+, pid \d+\) in training_step "
+                     r"for \d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\); rank 0 in "
+                     r"backward for \d+ s; stacks: runs/s/stall-1-node[01]/$", stall[0]), stall
+    assert "failed with exit code" not in err, err  # (the stall ended it, said once)
+    assert list((tmp_path / "runs" / "s").glob("stall-1-node*/rank1.txt")), err
