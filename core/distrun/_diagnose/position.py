@@ -27,9 +27,9 @@ __all__ = ["COLLECTIVES", "PART_ENV", "POINT_TO_POINT", "POSITIONS_ENV", "Phase"
 
 #: the folder where each rank of this node keeps its record (``rank<N>``), set by the group
 POSITIONS_ENV = "DISTRUN_POSITIONS"
-#: this rank's worker group among the run's, ``index/count``: the node and the nodes, or the
-#: rank and the world where a launcher starts each rank (``NodeRanks.part``); the groups'
-#: stall reports meet by it (:mod:`distrun._diagnose.exchange`)
+#: this rank's worker group among the run's, ``index/count``, where a launcher starts each
+#: rank (``NodeRanks.part``; unset: its node and the nodes, torchrun's ``GROUP_RANK`` and
+#: ``GROUP_WORLD_SIZE``); the groups' stall reports meet by it (distrun._diagnose.exchange)
 PART_ENV = "DISTRUN_PART"
 
 _MAGIC = b"DRP1"

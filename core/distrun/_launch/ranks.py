@@ -135,7 +135,8 @@ class NodeRanks:
             env[GENERATION_ENV] = str(self.generation)
         if self.run_key:
             env[RUN_KEY_ENV] = self.run_key
-        env[PART_ENV] = "{}/{}".format(*self.part)
+        if self.part != (self.node_rank, self.nnodes):  # (a launcher that starts one rank)
+            env[PART_ENV] = "{}/{}".format(*self.part)
         if store_fd is not None and self.rank_of(local_rank) == 0:
             env[STORE_FD_ENV] = str(store_fd)
         env.update(extra or {})
