@@ -146,12 +146,13 @@ def _times(state: FtState, step: int, like: list[torch.Tensor]) -> torch.Tensor 
     return torch.tensor(state.groups.pack(step), dtype=like[0].dtype, device=like[0].device)
 
 
-def _judge_groups(run: Any, state: FtState, tail: torch.Tensor) -> None:
-    """After a committed all-reduce across the groups: the compute times it carried (a mean
-    over the participants, so times them is the sum) judged; a group's straggler is said by
-    the lowest live group's rank."""
-    if state.groups is None or not tail.numel():
+def _judge_groups(run: Any, state: FtState, carried: torch.Tensor) -> None:
+    """After a committed all-reduce across the groups: the compute times it carried at its
+    end (a mean over the participants, so times them is the sum) judged; a group's
+    straggler is said by the lowest live group's rank."""
+    if state.groups is None or carried.numel() < state.groups.size:
         return
+    tail = carried[carried.numel() - state.groups.size:]
     said = state.groups.add((tail.double() * state.participants).tolist())
     if said and state.replica_rank == 0:
         run.log.warning("warning: %s", said)
@@ -278,7 +279,7 @@ def fit_ft(run: Any) -> Any:
                         first_line(why.original_exception) if why is not None
                         else "a peer did not commit")
                 continue  # the same samples again, with the next quorum
-            _judge_groups(run, state, flat[sum(g.numel() for g in grads):])
+            _judge_groups(run, state, flat)
             run.mark("optimizer")
             run.hook.distrun_optimizer_step(run=run)
             run.progress.step = step + 1
