@@ -38,6 +38,10 @@ def _launch(which: str, args: list[str], cwd: Path, timeout: float = 120) -> tup
     if which == "distrun":
         result = run_cli("run", *args, cwd=cwd, env=env, timeout=timeout)
         return result.returncode, result.stdout, result.stderr
+    # torchrun's ranks share its stdout: under CI's PYTHONUNBUFFERED a print() is two writes (the
+    # text, then its newline), and two ranks printing at once could join their lines. Buffered,
+    # print(flush=True) is one write. (distrun pipes each rank on its own; it sets the variable.)
+    env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           preexec_fn=die_with_parent())
@@ -223,11 +227,16 @@ def test_argparse_flags_named_like_launcher_options_stay_the_script_s(tmp_path):
     assert seen["distrun"][2] == "", seen["distrun"]  # no warning: the script reads them
 
 
-SPAWN = """import os
+# The two children of a rank share its stdout, and under PYTHONUNBUFFERED (as CI runs) print()
+# writes the text and its newline in two calls: two children printing at once can join their
+# lines ("...child 1 of __mp_main__rank 1 child 0..."), under torchrun as under distrun. Each
+# child writes its line with its newline in one call (one write(2) below PIPE_BUF is atomic).
+SPAWN = """import os, sys
 import torch.multiprocessing as mp
 
 def child(i, rank):
-    print(f"rank {rank} child {i} of {__name__}", flush=True)
+    sys.stdout.write(f"rank {rank} child {i} of {__name__}\\n")
+    sys.stdout.flush()
 
 if __name__ == "__main__":
     rank = int(os.environ["RANK"])
