@@ -6,8 +6,10 @@ the reports before every node that published has read the others'."""
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -65,3 +67,31 @@ def test_a_request_is_answered_though_posted_before_the_node_first_looked(tmp_pa
     asker.post(store, "stacks-next")  # and the next request, at the next look
     node0.look()
     assert store.check([f"{prefix}/stacks-next/0"])
+
+
+def test_a_node_whose_store_ends_after_it_collected_still_hands_over_every_report(tmp_path):
+    """The node holding the store may go on (and end its workers, the store with them) as
+    soon as every node read its report: a node still waiting for the others' marks then
+    loses the store, and hands over what it collected all the same. (Under load, srun's
+    tasks lost the first task's report this way: the second task's line said its rank was
+    not seen.)"""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    prefix = f"{exchange.KEY_PREFIX}/0/3/1"
+    store.set(f"{prefix}/0", json.dumps({"seen": [0]}))  # node 0 published, not yet read
+    folder = tmp_path / "node1"
+    folder.mkdir()
+    (folder / "node-1.json").write_text(json.dumps({"seen": [1]}))
+    node1 = threading.Thread(target=exchange._answer, args=("1", str(folder),
+                                                            _env(store.port, 1)))
+    node1.start()
+    deadline = time.monotonic() + 10
+    while not store.check([f"{prefix}/read/1"]):  # node 1 collected and said so
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    del store  # node 0 went on and its workers ended: the store is gone
+    gc.collect()
+    node1.join(timeout=15)
+    assert not node1.is_alive()
+    assert json.loads((folder / "reports-1.json").read_text()) == {"0": {"seen": [0]},
+                                                                    "1": {"seen": [1]}}

@@ -191,19 +191,22 @@ def _answer(key: str, folder: str, env: dict[str, str], post: Any = None,
         return
     got: dict[int, Any] = {node: json.loads(mine)}
     started = time.monotonic()
-    while len(got) < nnodes and time.monotonic() < started + COLLECT - READ:
-        for other in range(nnodes):
-            name = f"{prefix}/{other}"
-            if other not in got and store.check([name]):
-                got[other] = json.loads(store.get(name))
-        if len(got) < nnodes:
-            time.sleep(0.1)
-    # every node that published reads the others' before any watcher goes on and ends its
-    # workers (the store may end with them)
-    store.set(f"{prefix}/read/{node}", "1")
-    marks = [f"{prefix}/read/{other}" for other in got]
-    while not store.check(marks) and time.monotonic() < started + COLLECT:
-        time.sleep(0.05)
+    try:
+        while len(got) < nnodes and time.monotonic() < started + COLLECT - READ:
+            for other in range(nnodes):
+                name = f"{prefix}/{other}"
+                if other not in got and store.check([name]):
+                    got[other] = json.loads(store.get(name))
+            if len(got) < nnodes:
+                time.sleep(0.1)
+        # every node that published reads the others' before any watcher goes on and ends
+        # its workers (the store may end with them)
+        store.set(f"{prefix}/read/{node}", "1")
+        marks = [f"{prefix}/read/{other}" for other in got]
+        while not store.check(marks) and time.monotonic() < started + COLLECT:
+            time.sleep(0.05)
+    except Exception:  # the store ended: the node holding it went on once all had read, or
+        pass  # it is gone; what was collected is handed over either way
     out = os.path.join(folder, f"reports-{key}.json")
     with open(out + ".tmp", "w") as fh:
         json.dump({str(k): v for k, v in got.items()}, fh)
