@@ -23,6 +23,12 @@ distrun's loop under ``distrun run --strategy ddp``, with and without
 the node's memory at every step), alternated, on the 5M and 50M models with AdamW. Printed: the
 median steps/s of both and the ratio with / without (target >= 0.95: at most 5% per step).
 
+``--memory-tier-nodes [N]`` prices the peer replica of a state sharded across nodes: two
+launchers on this machine as two nodes of one rank each (``--nnodes 2``, a rendezvous on
+loopback), ``--strategy fsdp`` over both, with and without ``--ckpt-memory-every-n-steps 1``
+(each node's part saved into its memory and copied into the other's at every step), N
+launches of each (default 5), alternated, on the 5M model with AdamW. Printed as above.
+
 ``--launches [N]`` compares whole launches instead, as a user would: N launches (default 5) of
 each of (1) the hand-written loop as a plain script under ``torchrun --standalone``, (2) the
 same script under ``distrun run``, (3) distrun's loop (``Trainer.fit``, as above) under
@@ -216,6 +222,9 @@ KINDS = {"torchrun": "hand-written, torchrun", "distrun-run": "hand-written, dis
 #: the launches compared by ``--memory-tier``
 TIER_KINDS = {"distrun-loop": "distrun loop, distrun run",
               "distrun-memory": "the same, a memory checkpoint every step"}
+#: ... and by ``--memory-tier-nodes``
+NODE_KINDS = {"distrun-loop": "distrun loop, fsdp over two launchers as two nodes",
+              "distrun-memory": "the same, each node's part saved and copied every step"}
 
 
 def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) -> float | None:
@@ -243,10 +252,37 @@ def _launch(kind: str, size: str, steps: int, warmup: int, env: dict[str, str]) 
             return float(json.load(fh)["steps_per_s"])
 
 
+def _launch_nodes(kind: str, size: str, steps: int, warmup: int,
+                  env: dict[str, str]) -> float | None:
+    """Two launchers as two nodes of one rank, fsdp over both; rank 0's steps/s, or None."""
+    from distrun.testing import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "distrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "bench",
+               "--strategy", "fsdp", "--run-dir", tmp,
+               *(["--ckpt-memory-every-n-steps", "1"] if kind == "distrun-memory" else []),
+               os.path.abspath(__file__), "--launch-worker", "distrun", size, str(steps),
+               str(warmup), out]
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, cwd=tmp) for _ in range(2)]
+        errs = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs) or not os.path.exists(out):
+            print(f"  {size} {kind}: the launch failed (exit {[p.returncode for p in procs]})"
+                  f"\n{errs[0][-1500:]}\n{errs[1][-1500:]}", flush=True)
+            return None
+        with open(out) as fh:
+            return float(json.load(fh)["steps_per_s"])
+
+
 def _alternate(plan: dict[str, tuple[int, int]], kinds: list[str], n: int,
-               env: dict[str, str]) -> tuple[bool, list[tuple[str, dict[str, list[float]]]]]:
+               env: dict[str, str], launch: Any = None,
+               ) -> tuple[bool, list[tuple[str, dict[str, list[float]]]]]:
     """``n`` whole launches of every kind per model, alternated launch by launch: whether all
-    succeeded, and each model's steps/s per kind."""
+    succeeded, and each model's steps/s per kind (``launch``: one launch, ``_launch``'s
+    signature)."""
+    launch = launch or _launch
     ok = True
     rows = []
     for size, (steps, warmup) in plan.items():
@@ -254,7 +290,7 @@ def _alternate(plan: dict[str, tuple[int, int]], kinds: list[str], n: int,
         for i in range(n):
             # rotate the order, so that no kind always follows the same one
             for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-                rate = _launch(kind, size, steps, warmup, env)
+                rate = launch(kind, size, steps, warmup, env)
                 if rate is None:
                     ok = False
                     continue
@@ -289,13 +325,16 @@ def launches(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> b
     return ok
 
 
-def memory_tier(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -> bool:
-    """The per-step cost of a memory checkpoint at every step: launches with and without."""
+def memory_tier(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str],
+                nodes: bool = False) -> bool:
+    """The per-step cost of a memory checkpoint at every step: launches with and without
+    (``nodes``: fsdp over two launchers, each node's part copied into the other's memory)."""
     env = dict(env, BENCH_OPTIM="adamw")
+    named = NODE_KINDS if nodes else TIER_KINDS
     print(f"steps/s, separate launches, 2 processes, gloo, AdamW, global batch {GLOBAL_BATCH}; "
           f"median of {n} launches of each kind, alternated launch by launch", flush=True)
-    kinds = list(TIER_KINDS)
-    ok, rows = _alternate(plan, kinds, n, env)
+    kinds = list(named)
+    ok, rows = _alternate(plan, kinds, n, env, _launch_nodes if nodes else _launch)
     print(f"{'model':<10} {'params':>11} {'state MB':>9} " +
           " ".join(f"{k:>15}" for k in kinds) + f" {'memory/loop':>12}")
     for size, rates in rows:
@@ -304,7 +343,7 @@ def memory_tier(plan: dict[str, tuple[int, int]], n: int, env: dict[str, str]) -
         print(f"{size:<10} {params:>11,} {params * 12 / 1e6:>9.0f} " +
               " ".join(f"{med[k]:>15.2f}" for k in kinds) +
               f" {med['distrun-memory'] / med['distrun-loop']:>12.3f}")
-    print("kinds: " + "; ".join(f"{k} = {v}" for k, v in TIER_KINDS.items()))
+    print("kinds: " + "; ".join(f"{k} = {v}" for k, v in named.items()))
     print("state MB: the parameters and AdamW's two moments, fp32 (what each step checkpoints); "
           "target: memory/loop >= 0.95")
     return ok
@@ -344,6 +383,8 @@ def main(argv: list[str]) -> int:
                         help="compare N separate launches of each kind (default 5)")
     parser.add_argument("--memory-tier", type=int, nargs="?", const=5, metavar="N",
                         help="the memory tier's cost per step: N launches with and without")
+    parser.add_argument("--memory-tier-nodes", type=int, nargs="?", const=5, metavar="N",
+                        help="the same for fsdp over two launchers as two nodes (the replica)")
     parser.add_argument("--launch-worker", nargs=5, metavar=("KIND", "SIZE", "STEPS", "WARMUP",
                                                              "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=5, metavar=("SIZE", "STEPS", "WARMUP", "REPEATS",
@@ -368,6 +409,9 @@ def main(argv: list[str]) -> int:
         plan = {"mlp-5M": (40, 8), "mlp-50M": (12, 3)} if args.quick else \
             {"mlp-5M": (120, 10), "mlp-50M": (30, 5)}
         return 0 if memory_tier(plan, max(1, args.memory_tier), env) else 1
+    if args.memory_tier_nodes is not None:
+        plan = {"mlp-5M": (40, 8)} if args.quick else {"mlp-5M": (120, 10)}
+        return 0 if memory_tier(plan, max(1, args.memory_tier_nodes), env, nodes=True) else 1
     print(f"steps/s, 2 processes, gloo, global batch {GLOBAL_BATCH}, loss logged every "
           f"{args.log_every} steps; best (median) of {repeats} alternating repeats")
     print(f"{'model':<10} {'params':>9} {'torch DDP':>16} {'distrun ddp':>16} {'ratio':>14}")

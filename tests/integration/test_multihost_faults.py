@@ -150,21 +150,32 @@ def test_a_killed_host_is_left_behind_and_rejoins_without_spending_a_restart(dis
     assert abs(fit - want) <= 0.05 * want, (fit, want)
 
 
+#: the strategy's plugin, where the test plugins do not bring it
+_STRATEGY_PLUGIN = {"gradsum": {}, "fsdp": {
+    "DISTRUN_PLUGINS": "distrun_elastic.plugin,distrun_safetensors.plugin,elastic_faults,"
+                       "distrun_fsdp.plugin"}}
+
+
 @pytest.mark.slow
-def test_a_lost_host_re_forms_from_the_memory_of_the_host_left(distrun_hosts, tmp_path):
+@pytest.mark.parametrize("strategy", ["gradsum", "fsdp"])
+def test_a_lost_host_re_forms_from_the_memory_of_the_host_left(distrun_hosts, tmp_path,
+                                                              strategy):
     """Memory checkpoints every step, disk every 10: kill -9 of every process of host 1 (3
     ranks of 4) past step 12, and the run's checkpoint folder (with its step 10) moved away
-    before host 0 re-forms, so no disk read is possible: host 0 resumes alone from its own memory, which holds the whole
-    data-parallel state, at the newest step it committed, with the weights the run had at
-    the end of that step bit for bit, and the final history consumes the reference's
-    samples."""
+    before host 0 re-forms, so no disk read is possible: host 0 resumes alone from memory at
+    the newest step it committed, with the weights the run had at the end of that step bit
+    for bit, and the final history consumes the reference's samples. Data parallel
+    (``gradsum``), host 0's memory holds the whole state; FSDP over the 4 ranks, it holds its
+    rank's shards and the copy host 1 sent of its 3 ranks' (the peer replica)."""
     bed = distrun_hosts(2)
     reference = _reference(tmp_path)
     rec = tmp_path / "rec"
     ckpts = tmp_path / "runs" / "job" / "checkpoints"
-    memory = ["--ckpt-every-n-steps", "10", "--ckpt-memory-every-n-steps", "1"]
-    first = Node(bed[0], tmp_path, rec, _elastic("1:2", 1, *memory), "host0", EL_DIGEST="1")
-    second = Node(bed[1], tmp_path, rec, _elastic("1:2", 3, *memory), "host1", EL_DIGEST="1")
+    memory = ["--ckpt-every-n-steps", "10", "--ckpt-memory-every-n-steps", "1",
+              "--strategy", strategy]
+    env = {"EL_DIGEST": "1", **_STRATEGY_PLUGIN[strategy]}
+    first = Node(bed[0], tmp_path, rec, _elastic("1:2", 1, *memory), "host0", **env)
+    second = Node(bed[1], tmp_path, rec, _elastic("1:2", 3, *memory), "host1", **env)
     digests = rec / "digests.jsonl"
     _wait_for(lambda: any(d["step"] >= 12 for d in records(rec, "digests.jsonl"))
               if digests.exists() else False, "step 12", [first, second])

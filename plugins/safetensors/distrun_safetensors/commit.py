@@ -35,6 +35,7 @@ from distrun_safetensors.manifest import (
     MODEL_INDEX,
     OPTIM_INDEX,
     OPTIM_JSON,
+    PART,
     RDZV_GENERATION,
     TENSORS,
     VERSION,
@@ -64,9 +65,10 @@ def write_record(job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
     order = {name: i for i, name in enumerate(job["order"])}
     indexes["model"] = dict(sorted(indexes["model"].items(),
                                    key=lambda kv: order.get(kv[0], len(order))))
+    part = job.get("part_of", 0)  # a node's part: its pieces do not tile the tensors
     for kind in ("model", "optim"):
         for name, info in indexes[kind].items():
-            check_tensor(f"{kind} pieces", name, info, files)
+            check_tensor(f"{kind} pieces", name, info, files, whole=not part)
     if job["optim_meta"] is not None:
         files[OPTIM_JSON] = write_json(os.path.join(tmp, OPTIM_JSON), job["optim_meta"])
     record: dict[str, dict[str, str]] = {}
@@ -83,7 +85,7 @@ def write_record(job: dict[str, Any], reports: list[dict[str, Any]], tmp: str,
                    # a save across some ranks (one node's): whose states these are, in order
                    **({"ranks": list(job["members"])} if job.get("members") else {})},
         TENSORS: record, GENERATION: generation, RDZV_GENERATION: rdzv_generation,
-        **job["info"],
+        **({PART: {"world": part}} if part else {}), **job["info"],
     }
     write_json(os.path.join(tmp, MANIFEST), manifest)
     fsync_dir(tmp)

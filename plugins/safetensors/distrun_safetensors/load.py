@@ -21,6 +21,7 @@ from distrun_safetensors.files import CheckpointError, FileReaders
 from distrun_safetensors.manifest import (
     BEST,
     LATEST,
+    PART,
     STEP_RE,
     Checkpoint,
     best_candidates,
@@ -141,7 +142,7 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
         error: tuple[str, str] | None = None
         here = tier.here(folder) if tier is not None else None
         try:  # a node's folder is checked by its own ranks
-            ckpt = validate(here, tier.rank, tier.world, verify) if here and tier \
+            ckpt = validate(here, tier.rank, tier.world, verify, part=True) if here and tier \
                 else validate(folder, rank, world, verify)
         except NewerFormatError as exc:  # not damaged: never skipped for an older one
             error = ("newer", str(exc))
@@ -202,6 +203,10 @@ def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> s
         box = box_of(t)
         if box is not None and not covered(ckpt.model[k], *box):
             return f"{ckpt.folder}: tensor {k!r} is not fully stored (incomplete checkpoint)"
+    if PART in ckpt.manifest and optimizer is not None and ckpt.optimizer is not None:
+        missing = _optimizer_gap(ckpt, model, optimizer)  # a node's part: what this rank reads
+        if missing is not None:
+            return f"{ckpt.folder}: tensor {missing!r} is not fully stored here (a part)"
     if optimizer is not None and ckpt.optimizer is not None:
         kind = ckpt.optimizer.get("class")
         if kind and kind != type(optimizer).__name__ and comm.rank_world()[0] == 0:
@@ -212,6 +217,23 @@ def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> s
         if saved != now:
             return (f"{ckpt.folder}: the optimizer's parameter groups differ from the saved ones "
                     f"(saved {_brief(saved)}, now {_brief(now)})")
+    return None
+
+
+def _optimizer_gap(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> str | None:
+    """The first optimizer tensor whose part this rank reads (:func:`_read_like`) the folder
+    does not hold; None when it holds them all."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [n for row in optimizer_names(optimizer, model) for n in row]
+    for name, param in zip(names, params, strict=True):
+        for value in (ckpt.optimizer or {}).get("state", {}).get(name, {}).values():
+            if not (isinstance(value, dict) and set(value) == {"__tensor__"}):
+                continue
+            info = ckpt.optim[value["__tensor__"]]
+            box = box_of(param) if is_dtensor(param) and list(info["shape"]) == list(
+                param.shape) else ([0] * len(info["shape"]), list(info["shape"]))
+            if box is not None and not covered(info, *box):
+                return str(value["__tensor__"])
     return None
 
 

@@ -40,6 +40,10 @@ GENERATION = "generation"
 RDZV_GENERATION = "rdzv_generation"
 #: the key of the run that committed a checkpoint (optional; see FORMAT.md)
 RUN = "run"
+#: the manifest key of one node's part of a memory checkpoint of a state sharded across nodes,
+#: ``{"world": W}`` (the world size of the save it is a part of): its pieces do not tile the
+#: tensors, and only the memory tier's resume reads it (see replica.py)
+PART = "part"
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: a checkpoint moved aside while a save of the same step replaces it (a kill -9 in between
 #: leaves it as the newest valid one; the next commit removes it)

@@ -25,13 +25,16 @@ Two halves:
   goes on with its disk checkpoints, never out of memory mid-run), and the wait for the
   commit before the next optimizer step.
 
-Across nodes each node's folder holds a whole checkpoint of what its own ranks hold, saved by
-them alone (a :class:`~distrun_safetensors.save.Scope`: replicated state once per node), so a
+Across nodes each node's folder holds a checkpoint of what its own ranks hold, saved by them
+alone (a :class:`~distrun_safetensors.save.Scope`: replicated state once per node), so a
 state every node holds whole (data parallel, replicated or sharded within the node) restarts
-from memory on every node, and the survivors of a lost node from their own. No node prunes a
-step before every node committed the next, and a restart takes the newest step all of them
-hold. A state sharded across nodes keeps its disk checkpoints only (said once), and so does a
-run under ``--ft`` (its replica groups heal from a live peer).
+from memory on every node, and the survivors of a lost node from their own. A state sharded
+across nodes is saved as each node's part, and each node's part is copied into the next
+node's memory (:mod:`~distrun_safetensors.replica`), so the survivors of a lost node re-form
+from their part and the lost node's copy. No node prunes a step before every node committed
+the next, and a restart takes the newest step all of them hold (:mod:`~distrun_safetensors.
+tier_nodes`). A run under ``--ft`` keeps its disk checkpoints only (its replica groups heal
+from a live peer).
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -50,7 +52,7 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl, reaped
 
-__all__ = ["ENV", "MemoryCadence", "MemoryTier", "memory_snapshot", "node_tier", "start_tier",
+__all__ = ["ENV", "MemoryCadence", "MemoryTier", "memory_snapshot", "start_tier",
            "tier_dir"]
 
 #: the variable that names the tier's folder to the workers
@@ -180,7 +182,8 @@ class MemoryCadence:
                 return None
             what = f"--ckpt-memory-max-gb {self.max_gb:g} allows" if self.max_gb and \
                 limit < free else f"{os.path.dirname(self.folder)} has {_size(free)} free"
-            copies = {2: "two", 3: "three"}.get(self.copies, str(self.copies))
+            copies = {2: "two", 3: "three", 4: "four", 5: "five"}.get(self.copies,
+                                                                       str(self.copies))
             return (f"it needs about {_size(need)} ({copies} copies of this node's state) and "
                     f"{what}")
 
@@ -238,11 +241,6 @@ class MemoryCadence:
                 self._turn_off(run, saver, str(exc))
 
 
-def _local_world(run: Any) -> int:
-    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
-
-
 def _info(run: Any) -> dict[str, Any]:
     from distrun_safetensors.manifest import RUN
     from distrun_safetensors.session import run_key
@@ -262,7 +260,9 @@ def memory_checkpointer(run: Any, cadence: MemoryCadence) -> Any:
                              split_bytes=int(_opts(run).ckpt_split_mb * (1 << 20)),
                              async_save=True, rdzv_generation=run.generation, in_place=True,
                              scope=cadence.scope)
-        saver.room_check = cadence.room(_local_world(run))
+        from distrun_safetensors.tier_nodes import local_world
+
+        saver.room_check = cadence.room(local_world(run))
         run.stash[_SAVER] = saver
     return saver
 
@@ -289,112 +289,42 @@ def wait_for_memory_save(run: Any) -> None:
             saver.wait()
 
 
-def _nodes(run: Any, extra: Any = None) -> tuple[list[tuple[int, ...]], list[Any]] | None:
-    """The global ranks of each node, known by the tier folder they share, and every rank's
-    ``(host, folder, extra)`` (every rank calls this together; one node: none); None when a
-    rank has no folder."""
-    if run.world_size == 1 or run.world_size == _local_world(run):
-        return None
-    import torch.distributed as dist
-
-    mine = tier_dir()
-    seen: list[Any] = [None] * run.world_size
-    dist.all_gather_object(seen, (socket.gethostname(), mine, extra) if mine else None)
-    if any(s is None for s in seen):
-        return None
-    nodes: dict[Any, list[int]] = {}
-    for rank, (host, folder, _) in enumerate(seen):
-        nodes.setdefault((host, folder), []).append(rank)
-    return [tuple(ranks) for ranks in nodes.values()], seen
-
-
-def node_tier(run: Any) -> Any:
-    """The memory tier's folder for a resume (a :class:`~distrun_safetensors.load.NodeFolder`)
-    where the launcher gave one: across nodes, each node's own, with the steps every node
-    committed (every rank calls this together); None without."""
-    from distrun_safetensors.load import NodeFolder, _step_of
-    from distrun_safetensors.manifest import candidates
-
-    folder = tier_dir()
-    if run.world_size == _local_world(run):
-        return None if folder is None else NodeFolder(folder, folder, None, run.rank,
-                                                      run.world_size)
-    steps = frozenset(_step_of(f) for f in candidates(folder)[0]) if folder else None
-    known = _nodes(run, steps)
-    if known is None or folder is None:
-        return None
-    nodes, seen = known
-    common = frozenset.intersection(*(s for _, _, s in seen))
-    node = next(n for n in nodes if run.rank in n)
-    return NodeFolder(folder, seen[0][1], common, node.index(run.rank), len(node))
-
-
-def _node_holds_all(model: Any, members: tuple[int, ...]) -> bool:
-    """Whether ``members`` (one node's ranks) hold every part of the model's tensors between
-    them: a DTensor sharded over ranks of other nodes is not (FSDP across nodes)."""
-    from distrun_safetensors.pieces import is_dtensor
-
-    for t in model.state_dict().values():
-        if not is_dtensor(t):
-            continue
-        from torch.distributed.tensor import Replicate  # (a DTensor: it imports)
-
-        ranks = t.device_mesh.mesh
-        dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-        held = set()
-        for rank in members:
-            at = (ranks == rank).nonzero()
-            if len(at):
-                held.add(tuple(int(at[0][i]) for i in dims))
-        need = 1
-        for i in dims:
-            need *= ranks.shape[i]
-        if len(held) < need:
-            return False
-    return True
-
-
-def _scope(run: Any, nodes: list[tuple[int, ...]]) -> Any:
-    """This node's ranks as a save scope: two process groups of them (the saves' calls and
-    their background writes) and one of every rank (every rank calls this together)."""
-    import torch.distributed as dist
-
-    from distrun_safetensors.save import Scope
-
-    mine, _ = dist.new_subgroups_by_enumeration(nodes, backend="gloo")
-    background, _ = dist.new_subgroups_by_enumeration(nodes, backend="gloo")
-    across = dist.new_group(backend="gloo")
-    node = next(n for n in nodes if run.rank in n)
-    return Scope(members=node, group=mine, background=background, across=across)
-
-
-def start_tier(run: Any, every: int, max_gb: float) -> None:
+def start_tier(run: Any, every: int, max_gb: float, replica_mb_s: float = 0.0) -> None:
     """At the fit's start: the memory cadence, where the tier can be used (else one line)."""
     from distrun_safetensors import comm
+    from distrun_safetensors.replica import replica_dir
+    from distrun_safetensors.tier_nodes import (
+        local_world,
+        node_holds_all,
+        node_scope,
+        nodes_of,
+        views_name,
+    )
 
     folder, scope, why = tier_dir(), None, None
+    if folder is not None:  # what the resume read through is let go (links hold memory)
+        shutil.rmtree(os.path.join(folder, views_name(run.rank)), ignore_errors=True)
     if run.config.get("ft"):  # (its launcher made no folder)
         why = "under --ft a replica group heals from a live replica instead"
-    elif run.world_size != _local_world(run):
-        known = _nodes(run)
+    elif run.world_size != local_world(run):
+        known = nodes_of(run)
         if known is None:
             why = "a node's launcher holds no folder for it (run under `distrun run`)"
         else:
             nodes = known[0]
             node = next(n for n in nodes if run.rank in n)
-            split = comm.agree(None if _node_holds_all(run.unwrapped_model(), node)
+            split = comm.agree(None if node_holds_all(run.unwrapped_model(), node)
                                else f"rank {run.rank}")
-            if split:
-                why = ("the state is sharded across nodes (each node's memory holds its own "
-                       "ranks' state whole: data parallel, or sharded within a node)")
-            else:
-                scope = _scope(run, nodes)
+            # sharded across nodes: each node saves its part, copied into the next node's memory
+            scope = node_scope(run, nodes, replica_mb_s if split else None)
     elif folder is None:
         why = "no launcher holds it (run under `distrun run`)"
     if why is not None or folder is None:
         if run.is_global_zero:
             run.log.warning("warning: memory tier off: %s; checkpoints go to the disk only", why)
         return
+    if scope is None or scope.ring is None:  # no replica to keep (nodes re-formed without one)
+        shutil.rmtree(replica_dir(folder), ignore_errors=True)
     if run.is_global_zero:  # a save of a worker killed mid-write: its memory is given back
         from distrun_safetensors.leftovers import sweep_stale
 
@@ -403,5 +333,7 @@ def start_tier(run: Any, every: int, max_gb: float) -> None:
 
     opts = _opts(run)  # a disk cadence writes from the tier's copy: one more held meanwhile
     copies = 3 if opts.ckpt_every_n_steps or opts.ckpt_every_n_seconds else 2
+    if scope is not None and scope.ring is not None:  # the previous node's part, as many
+        copies += 2
     run.stash[_CADENCE] = cadence = MemoryCadence(every, folder, max_gb, copies, scope)
     run.add_hooks(cadence)

@@ -32,6 +32,10 @@ class CheckpointOptions(PluginOptions, plugin="safetensors"):
         0.0, "at most this much memory for --ckpt-memory-every-n-steps (0: what /dev/shm and "
         "the free memory allow); a state that does not fit turns the memory tier off at its "
         "first save", min=0)
+    ckpt_memory_replica_mb_s: float = option(
+        1000.0, "a state sharded across nodes: each node's part of a memory checkpoint is "
+        "also copied into the next node's memory, at most this many MB/s each way (0: no "
+        "limit)", min=0)
     ckpt_verify: bool = option(True, "verify checksums when loading (--no-ckpt-verify skips it)")
     ckpt_split_mb: float = option(
         4.0, "replicated tensors larger than this are split by rows across ranks when saved",

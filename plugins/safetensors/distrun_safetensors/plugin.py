@@ -199,7 +199,8 @@ def distrun_save_checkpoint(run, reason):
 @hookimpl
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
-    from distrun_safetensors.memory_tier import node_tier, wait_for_memory_save
+    from distrun_safetensors.memory_tier import wait_for_memory_save
+    from distrun_safetensors.tier_nodes import node_tier
 
     saver = run.stash.get(_KEY)
     if saver is not None:
@@ -250,7 +251,8 @@ def distrun_on_fit_start(run):
     if opts.ckpt_memory_every_n_steps and run.model is not None:
         from distrun_safetensors.memory_tier import start_tier
 
-        start_tier(run, opts.ckpt_memory_every_n_steps, opts.ckpt_memory_max_gb)
+        start_tier(run, opts.ckpt_memory_every_n_steps, opts.ckpt_memory_max_gb,
+                   opts.ckpt_memory_replica_mb_s)
 
 
 def _best(run: Any) -> Any:

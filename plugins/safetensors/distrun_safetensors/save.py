@@ -61,6 +61,12 @@ class Scope:
     group: Any
     background: Any
     across: Any
+    #: the world size of the save these ranks hold a part of (a state sharded across nodes:
+    #: their pieces do not tile the tensors); 0 when they hold every tensor whole
+    part_of: int = 0
+    #: the nodes' ring that copies each node's part into the next node's memory (a
+    #: :class:`~distrun_safetensors.replica.Ring`; None: no copy)
+    ring: Any = None
 
 
 class Checkpointer:
@@ -339,6 +345,7 @@ class Checkpointer:
         layouts = sorted({str(tuple(v.device_mesh.shape)) + " " + str(v.device_mesh.mesh_dim_names)
                           for v in model_sd.values() if is_dtensor(v)})
         return {"rank": rank, "world": world, "members": members, "step": step,
+                "part_of": self.scope.part_of if self.scope is not None else 0,
                 "reason": reason,
                 "pieces": pieces, "optim_meta": optim_meta, "state_json": state_json,
                 "state_tensors": state_tensors, "meshes": layouts, "info": dict(info or {}),
@@ -439,6 +446,20 @@ class Checkpointer:
                             f"{outcome['error']}", self.scope.across)
         if failed:
             return {"error": outcome.get("error") or failed}
+        if self.scope.ring is not None:  # every node's part into the next node's memory
+            error = None
+            if job["rank"] == 0:
+                from distrun_safetensors.replica import exchange
+
+                try:
+                    exchange(self.scope.ring, os.path.join(self.directory,
+                                                           f"step-{job['step']}"), job["step"])
+                except Exception as exc:
+                    error = f"the copy of node {comm.rank_world()[0]}'s part to the next node " \
+                            f"failed ({_said(exc)})"
+            failed = comm.agree(error, self.scope.across)
+            if failed:
+                return {"error": failed}
         if job["rank"] == 0:
             final = os.path.join(self.directory, f"step-{job['step']}")
             self._start_pruning(final, job.get("retention"), job.get("owners"))

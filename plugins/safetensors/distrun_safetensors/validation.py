@@ -18,6 +18,7 @@ from distrun_safetensors.manifest import (
     MODEL_INDEX,
     OPTIM_INDEX,
     OPTIM_JSON,
+    PART,
     TENSORS,
     Checkpoint,
     check_version,
@@ -31,8 +32,13 @@ from distrun_safetensors.statecodec import check_encoded
 __all__ = ["check_tensor", "validate"]
 
 
-def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) -> Checkpoint:
+def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True,
+             part: bool = False) -> Checkpoint:
     """Check a checkpoint folder; raise :class:`CheckpointError` naming the first bad file.
+
+    ``part``: the folder may be one node's part of a memory checkpoint (``manifest.PART``, see
+    replica.py), whose pieces do not tile the tensors (the loader then checks that they hold
+    what each rank reads); any other caller refuses such a folder.
 
     Every caller checks the manifest (its version, file list, state files and tensor record),
     the indexes, ``optimizer.json`` and every file's size. The other files are split among
@@ -41,6 +47,9 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
     checksums. Together the ranks read each byte once.
     """
     manifest = read_manifest(folder)
+    if PART in manifest and not part:
+        raise CheckpointError(f"{folder} is one node's part of a memory checkpoint, not a whole "
+                              "checkpoint (only a resume from that node's memory reads it)")
     files = manifest["files"]
     ckpt = Checkpoint(folder=folder, manifest=manifest)
     for name, info in files.items():
@@ -56,7 +65,7 @@ def validate(folder: str, rank: int = 0, world: int = 1, verify: bool = True) ->
     for name, attr in ((MODEL_INDEX, "model"), (OPTIM_INDEX, "optim")):
         if name in files:
             index = read_json(folder, name, "index", files[name], verify, ckpt.checksum)
-            setattr(ckpt, attr, _check_index(folder, name, index, manifest))
+            setattr(ckpt, attr, _check_index(folder, name, index, manifest, PART not in manifest))
     if OPTIM_JSON in files:
         ckpt.optimizer = read_json(folder, OPTIM_JSON, "optimizer state", files[OPTIM_JSON],
                                    verify, ckpt.checksum)
@@ -196,7 +205,7 @@ def _shown(value: Any) -> str:
 
 
 def _check_index(folder: str, name: str, index: dict[str, Any],
-                 manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+                 manifest: dict[str, Any], whole: bool = True) -> dict[str, dict[str, Any]]:
     where = os.path.join(folder, name)
     files = manifest["files"]
     metadata, section = index.get("metadata"), index.get("distrun")
@@ -215,7 +224,7 @@ def _check_index(folder: str, name: str, index: dict[str, Any],
     if not isinstance(tensors, dict):
         raise CheckpointError(f"{where}: distrun.tensors is missing")
     for tname, info in tensors.items():
-        check_tensor(where, tname, info, files)
+        check_tensor(where, tname, info, files, whole)
     total = sum(_prod(info["shape"]) * DTYPE_SIZES[info["dtype"]] for info in tensors.values())
     if isinstance(metadata, dict) and metadata.get("total_size", total) != total:
         raise CheckpointError(f"{where}: metadata.total_size is {metadata['total_size']!r} but "
@@ -246,8 +255,10 @@ def _against_record(where: str, tensors: dict[str, Any], record: Any) -> None:
                               "in the index (the index was changed after the save)")
 
 
-def check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> None:
-    """One tensor of an index: a known dtype, a shape, pieces that tile it exactly."""
+def check_tensor(where: str, name: str, info: Any, files: dict[str, Any],
+                 whole: bool = True) -> None:
+    """One tensor of an index: a known dtype, a shape, pieces that tile it exactly (not
+    ``whole``: pieces inside it that never overlap, a node's part)."""
     bad = f"{where}: tensor {name!r}"
     if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
             and info["dtype"] in DTYPE_SIZES
@@ -271,7 +282,7 @@ def check_tensor(where: str, name: str, info: Any, files: dict[str, Any]) -> Non
             raise CheckpointError(f"{bad}: piece {piece['key']!r} lies outside shape {shape}")
         covered += _prod(piece["shape"])
         boxes.append(box)
-    if covered != numel:
+    if covered != numel and (whole or covered > numel):
         raise CheckpointError(f"{bad}: its pieces hold {covered} of {numel} elements")
     if len(boxes) <= 256:
         for i, a in enumerate(boxes):

@@ -130,13 +130,16 @@ def distrun_on_fit_start(run):
 
 
 def _digest(run) -> str:
-    """SHA-256 of the model's weights, in state-dict order (bit-equal weights, equal digests)."""
+    """SHA-256 of the model's weights, in state-dict order (bit-equal weights, equal digests);
+    a sharded tensor (FSDP) whole (every rank calls this together)."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
     for name, t in run.unwrapped_model().state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -223,8 +226,10 @@ def _die_at_commit() -> None:
 @hookimpl
 def distrun_on_fit_end(run):
     folder = os.environ.get("EL_RECORD_DIR")
-    if folder and run.is_global_zero:
+    if folder:  # a sharded tensor (FSDP) whole: every rank gathers it, rank 0 saves
         import torch
 
-        state = {k: v.detach().clone() for k, v in run.unwrapped_model().state_dict().items()}
-        torch.save(state, os.path.join(folder, "final.pt"))
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                 for k, v in run.unwrapped_model().state_dict().items()}
+        if run.is_global_zero:
+            torch.save(state, os.path.join(folder, "final.pt"))

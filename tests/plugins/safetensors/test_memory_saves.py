@@ -10,7 +10,7 @@ import os
 
 import torch
 from st_layouts import MLP
-from st_memory import rank_node_saves, rank_quiet_failure
+from st_memory import rank_node_saves, rank_parts_and_replicas, rank_quiet_failure
 
 from distrun.testing import run_on_ranks
 
@@ -53,3 +53,30 @@ def test_an_in_place_save_that_fails_on_one_rank_fails_on_every_rank_at_wait(tmp
     names = results[0]["names"]
     assert [n for n in names if n.startswith("step-")] == ["step-3"], names
     assert not [n for n in names if n.startswith(".tmp")], names
+
+
+def test_a_state_sharded_across_nodes_is_saved_in_parts_each_copied_to_the_other_node(
+        tmp_path):
+    """FSDP over 4 ranks of two nodes: each node's folder holds its part of the state (refused
+    as a checkpoint by any reader but the tier's resume) and, in ``replica/``, the other
+    node's part of the same step, copied over gloo in many chunks (the older step's copy
+    removed); each node's view of a step is the whole checkpoint: each rank resumes from it
+    bit-equal with its own state, and one unsharded model loads it whole."""
+    results = run_on_ranks(rank_parts_and_replicas, 4, str(tmp_path), init_process_group=True,
+                           timeout=240)
+    for rank, got in enumerate(results):
+        assert got["bad"] == [] and got["whole"] == [], (rank, got)
+        assert got["who"] == rank, got
+        assert got["path"] == str(tmp_path / f"node{rank // 2}" / f"views-{rank}" / "step-3")
+        assert "one node's part of a memory checkpoint" in got["refused"], got
+        assert got["replicas"] == ["step-3"], got
+    for k in (0, 1):
+        own = json.loads((tmp_path / f"node{k}" / "step-3" / "manifest.json").read_text())
+        copy = tmp_path / f"node{1 - k}" / "replica" / "step-3"
+        assert json.loads((copy / "manifest.json").read_text()) == own
+        for name in own["files"]:
+            assert (copy / name).read_bytes() == (tmp_path / f"node{k}" / "step-3" /
+                                                  name).read_bytes(), name
+        view = json.loads((tmp_path / f"node{k}" / f"views-{2 * k}" / "step-3" /
+                           "manifest.json").read_text())
+        assert "part" not in view and view["states"]["world_size"] == 4, view
