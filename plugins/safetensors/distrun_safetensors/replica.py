@@ -131,24 +131,26 @@ def exchange(ring: Ring, folder: str, step: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _chunks(folder: str, files: list[tuple[str, int]]) -> Iterator[bytearray]:
-    """The files' bytes, one after the other, in chunks of ``_CHUNK`` (the last shorter)."""
-    buf = bytearray()
+def _chunks(folder: str, files: list[tuple[str, int]]) -> Iterator[memoryview]:
+    """The files' bytes, one after the other, in chunks of ``_CHUNK`` (the last shorter): one
+    buffer, read into, each chunk valid until the next is asked for."""
+    buf = memoryview(bytearray(_CHUNK))
+    used = 0
     for name, size in files:
-        with open(os.path.join(folder, name), "rb") as fh:
+        with open(os.path.join(folder, name), "rb", buffering=0) as fh:
             left = size
             while left:
-                data = fh.read(min(left, _CHUNK - len(buf)))
-                if not data:
+                n = fh.readinto(buf[used:used + min(left, _CHUNK - used)])
+                if not n:
                     raise CheckpointError(f"{os.path.join(folder, name)} is shorter than "
                                           f"{size} bytes")
-                buf += data
-                left -= len(data)
-                if len(buf) == _CHUNK:
+                used += n
+                left -= n
+                if used == _CHUNK:
                     yield buf
-                    buf = bytearray()
-    if buf:
-        yield buf
+                    used = 0
+    if used:
+        yield buf[:used]
 
 
 class _Sink:
