@@ -455,8 +455,8 @@ class Checkpointer:
                     exchange(self.scope.ring, os.path.join(self.directory,
                                                            f"step-{job['step']}"), job["step"])
                 except Exception as exc:
-                    error = f"the copy of node {comm.rank_world()[0]}'s part to the next node " \
-                            f"failed ({_said(exc)})"
+                    error = f"rank {comm.rank_world()[0]}'s copy of its node's part to the " \
+                            f"next node failed ({_said(exc)})"
             failed = comm.agree(error, self.scope.across)
             if failed:
                 return {"error": failed}
