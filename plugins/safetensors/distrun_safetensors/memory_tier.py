@@ -307,7 +307,7 @@ def start_tier(run: Any, every: int, max_gb: float, replica_mb_s: float = 0.0) -
     if run.config.get("ft"):  # (its launcher made no folder)
         why = "under --ft a replica group heals from a live replica instead"
     elif run.world_size != local_world(run):
-        known = nodes_of(run)
+        known = nodes_of(run, folder)
         if known is None:
             why = "a node's launcher holds no folder for it (run under `distrun run`)"
         else:

@@ -199,7 +199,7 @@ def distrun_save_checkpoint(run, reason):
 @hookimpl
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
-    from distrun_safetensors.memory_tier import wait_for_memory_save
+    from distrun_safetensors.memory_tier import tier_dir, wait_for_memory_save
     from distrun_safetensors.tier_nodes import node_tier
 
     saver = run.stash.get(_KEY)
@@ -210,7 +210,7 @@ def distrun_load_checkpoint(run, source):
         _check_storage(run)
     pointer = "best" if _opts(run).ckpt_resume_best else "latest"
     # the memory tier's checkpoints compete with the disk's: the newest committed step wins
-    tier = node_tier(run) if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps \
+    tier = node_tier(run, tier_dir()) if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps \
         else None
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
                   verify=_opts(run).ckpt_verify, pointer=pointer, tier=tier)

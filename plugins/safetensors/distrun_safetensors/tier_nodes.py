@@ -8,8 +8,6 @@ import os
 import socket
 from typing import Any
 
-from distrun_safetensors.memory_tier import tier_dir
-
 __all__ = ["local_world", "node_holds_all", "node_scope", "node_tier", "nodes_of",
            "views_name"]
 
@@ -19,15 +17,15 @@ def local_world(run: Any) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
 
 
-def nodes_of(run: Any, extra: Any = None) -> tuple[list[tuple[int, ...]], list[Any]] | None:
-    """The global ranks of each node, known by the tier folder they share, and every rank's
-    ``(host, folder, extra)`` (every rank calls this together; one node: none); None when a
-    rank has no folder."""
+def nodes_of(run: Any, mine: str | None, extra: Any = None,
+             ) -> tuple[list[tuple[int, ...]], list[Any]] | None:
+    """The global ranks of each node, known by the tier folder they share (``mine``: this
+    rank's), and every rank's ``(host, folder, extra)`` (every rank calls this together; one
+    node: none); None when a rank has no folder."""
     if run.world_size == 1 or run.world_size == local_world(run):
         return None
     import torch.distributed as dist
 
-    mine = tier_dir()
     seen: list[Any] = [None] * run.world_size
     dist.all_gather_object(seen, (socket.gethostname(), mine, extra) if mine else None)
     if any(s is None for s in seen):
@@ -42,16 +40,16 @@ def views_name(rank: int) -> str:
     return f"views-{rank}"
 
 
-def node_tier(run: Any) -> Any:
+def node_tier(run: Any, folder: str | None) -> Any:
     """The memory tier's folder for a resume (a :class:`~distrun_safetensors.load.NodeFolder`)
-    where the launcher gave one: across nodes, each node's own, with the steps every node
-    committed (every rank calls this together); None without. A tier of parts (a state sharded
-    across nodes) is read through this rank's views of them (replica.py)."""
+    where the launcher gave one (``folder``, this node's): across nodes, each node's own, with
+    the steps every node committed (every rank calls this together); None without. A tier of
+    parts (a state sharded across nodes) is read through this rank's views of them
+    (replica.py)."""
     from distrun_safetensors.load import NodeFolder, _step_of
     from distrun_safetensors.manifest import candidates
     from distrun_safetensors.replica import build_views
 
-    folder = tier_dir()
     read = (build_views(folder, views_name(run.rank)) or folder) if folder else None
     if run.world_size == local_world(run):
         if folder is None or read is None:
@@ -59,7 +57,7 @@ def node_tier(run: Any) -> Any:
         named = os.path.join(folder, views_name(0)) if read != folder else folder
         return NodeFolder(read, named, None, run.rank, run.world_size)
     steps = frozenset(_step_of(f) for f in candidates(folder)[0]) if folder else None
-    known = nodes_of(run, (steps, read))
+    known = nodes_of(run, folder, (steps, read))
     if known is None or folder is None or read is None:
         return None
     nodes, seen = known
