@@ -175,9 +175,11 @@ class _Sink:
             name, self._left = self.files[self._index]
             if os.path.basename(name) != name or name.startswith("."):
                 raise CheckpointError(f"the previous node sent a file named {name!r}")
-            self._fh = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 - held
+            fh = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 - held
             if self._left:
+                self._fh = fh
                 return
+            fh.close()  # an empty file: made, nothing to write
 
     def write(self, data: memoryview) -> None:
         self.written += len(data)
@@ -193,7 +195,6 @@ class _Sink:
     def close(self) -> None:
         if self._fh is not None or self.written != self.total:
             raise CheckpointError("the previous node's part ended early")
-        self._advance()
 
 
 # -- views ------------------------------------------------------------------------------------

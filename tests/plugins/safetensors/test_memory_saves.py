@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from st_layouts import MLP
 from st_memory import rank_node_saves, rank_parts_and_replicas, rank_quiet_failure
@@ -80,3 +81,31 @@ def test_a_state_sharded_across_nodes_is_saved_in_parts_each_copied_to_the_other
         view = json.loads((tmp_path / f"node{k}" / f"views-{2 * k}" / "step-3" /
                            "manifest.json").read_text())
         assert "part" not in view and view["states"]["world_size"] == 4, view
+
+
+def test_the_copy_streams_files_of_any_size_across_chunks(tmp_path, monkeypatch):
+    """What the copy sends is the part's files one after the other, in chunks; the receiver
+    writes them back as they were: empty files first, between and last, a file across
+    several chunks, a chunk across several files; a stream that ends early is refused."""
+    import distrun_safetensors.replica as replica
+    from distrun_safetensors.files import CheckpointError
+
+    monkeypatch.setattr(replica, "_CHUNK", 7)
+    files = [("a", b""), ("b", b"hello world, chunked"), ("c", b""), ("d", b"xyz"), ("e", b"")]
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    for name, data in files:
+        (src / name).write_bytes(data)
+    listing = [(name, len(data)) for name, data in files]
+    sink = replica._Sink(str(dst), listing)
+    for chunk in replica._chunks(str(src), listing):
+        sink.write(memoryview(bytes(chunk)))
+    sink.close()
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == dict(files)
+    short = tmp_path / "short"
+    short.mkdir()
+    cut = replica._Sink(str(short), listing)
+    cut.write(memoryview(b"hello"))
+    with pytest.raises(CheckpointError, match="ended early"):
+        cut.close()
