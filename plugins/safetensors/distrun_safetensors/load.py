@@ -230,8 +230,7 @@ def _optimizer_gap(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> 
             if not (isinstance(value, dict) and set(value) == {"__tensor__"}):
                 continue
             info = ckpt.optim[value["__tensor__"]]
-            box = box_of(param) if is_dtensor(param) and list(info["shape"]) == list(
-                param.shape) else ([0] * len(info["shape"]), list(info["shape"]))
+            box = _optim_box(info, param)
             if box is not None and not covered(info, *box):
                 return str(value["__tensor__"])
     return None
@@ -293,13 +292,21 @@ def _load_model(ckpt: Checkpoint, model: torch.nn.Module, open_file: Any) -> Non
             read_box(open_file, ckpt.model[name], *box, local)
 
 
+def _optim_box(info: dict[str, Any], param: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """The block of a saved optimizer tensor this rank reads for ``param``: its shard where
+    ``param`` is a DTensor of the tensor's shape (None: it holds none), else all of it."""
+    if is_dtensor(param) and list(info["shape"]) == list(param.shape):
+        return box_of(param)
+    return [0] * len(info["shape"]), list(info["shape"])
+
+
 def _read_like(ckpt: Checkpoint, tname: str, param: torch.Tensor, open_file: Any) -> Any:
     info = ckpt.optim[tname]
     dtype = DTYPES[info["dtype"]]
     if is_dtensor(param) and list(info["shape"]) == list(param.shape):
         from torch.distributed.tensor import DTensor
 
-        offsets, shape = box_of(param) or ([0] * param.dim(), [0] * param.dim())
+        offsets, shape = _optim_box(info, param) or ([0] * param.dim(), [0] * param.dim())
         local = torch.empty(shape, dtype=dtype)
         if local.numel():
             read_box(open_file, info, offsets, shape, local)

@@ -51,6 +51,7 @@ from distrun_safetensors.manifest import (
     data_file,
     state_files,
 )
+from distrun_safetensors.pieces import covered
 
 __all__ = ["Ring", "build_views", "exchange", "replica_dir"]
 
@@ -266,7 +267,7 @@ def _view(target: str, parts: list[str]) -> None:
                 section = json.load(fh)["distrun"]["tensors"]
             for tname, info in section.items():
                 entry = tensors[kind].setdefault(tname, {**info, "pieces": []})
-                if _volume(entry["pieces"]) < _prod(entry["shape"]):
+                if not covered(entry, [0] * len(entry["shape"]), entry["shape"]):
                     entry["pieces"].extend({**p, "file": renamed[p["file"]]}
                                            for p in info["pieces"])
         for index, kept in manifest.get(TENSORS, {}).items():
@@ -296,13 +297,3 @@ def _view(target: str, parts: list[str]) -> None:
         merged.pop(PART)
     write_json(os.path.join(target, MANIFEST), merged)
 
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
-
-
-def _volume(pieces: list[dict[str, Any]]) -> int:
-    return sum(_prod(p["shape"]) for p in pieces)
