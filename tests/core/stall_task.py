@@ -4,8 +4,9 @@ dataset), ``validation`` (validation_step) or ``checkpoint`` (:mod:`stall_plugin
 read while a checkpoint is saved). The hang is a sleep; ``STALL_MARK``: the file the rank
 writes the time it started hanging to. With ``STALL_ONCE`` only the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0) hangs; with ``STALL_HOW=stop`` the rank stops itself
-(SIGSTOP) instead of sleeping, with ``STALL_HOW=spin`` it spins (a livelock). ``SLOW_MS``: that rank's training_step takes this
-many milliseconds longer at every step instead (a straggler)."""
+(SIGSTOP) instead of sleeping, with ``STALL_HOW=spin`` it spins (a livelock, or long work:
+``STALL_FOR`` seconds, then it goes on; default 600). ``SLOW_MS``: that rank's training_step takes
+this many milliseconds longer at every step instead (a straggler)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def hang_here(part: str) -> None:
         fh.write(repr(time.time()))
     if os.environ.get("STALL_HOW") == "stop":  # a process that answers nothing, not even
         os.kill(os.getpid(), signal.SIGSTOP)   # a question of another node's watcher
-    if os.environ.get("STALL_HOW") == "spin":  # a livelock: it burns CPU, never returns
-        end = time.monotonic() + 600
+    if os.environ.get("STALL_HOW") == "spin":  # a livelock (or long work): it burns CPU
+        end = time.monotonic() + float(os.environ.get("STALL_FOR", "600"))
         while time.monotonic() < end:
             pass
+        return
     time.sleep(600)  # stands for a deadlock
 
 

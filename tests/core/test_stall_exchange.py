@@ -13,7 +13,8 @@ import time
 
 import torch.distributed as dist
 
-from distrun._diagnose import exchange
+from distrun._diagnose import exchange, summary
+from distrun._diagnose.position import Phase, Position
 
 
 def _env(port: int, node: int) -> dict[str, str]:
@@ -95,3 +96,22 @@ def test_a_node_whose_store_ends_after_it_collected_still_hands_over_every_repor
     assert not node1.is_alive()
     assert json.loads((folder / "reports-1.json").read_text()) == {"0": {"seen": [0]},
                                                                     "1": {"seen": [1]}}
+
+
+def test_a_group_of_one_rank_that_did_not_report_is_named_as_a_rank_not_a_node():
+    """srun's tasks and Ray's actors are groups of one rank: a missing report is that rank's
+    (the index of the group is the rank, not a node); a node's stays the node's. A busy flag
+    of another node's view crosses the store in its report."""
+    now = time.monotonic()
+    waits = Position(0, 11, True, Phase.BACKWARD, now - 9, "all_reduce", 40, now - 9, 19, 0.01)
+    mine = summary.RankView(0, "h0", 11, "running", waits)
+    assert summary.summarize([mine], now, unseen="1", unit="rank").endswith(
+        "rank 1 is not seen here (its report did not come in time; its launcher prints its "
+        "own line)")
+    assert "ranks 1,2 are not seen here (their reports did not come in time; each one's " \
+        "launcher" in summary.summarize([mine], now, unseen="1,2", unit="rank")
+    assert "the ranks of node 1 are not seen here (its report did not come in time; that " \
+        "node's launcher" in summary.summarize([mine], now, unseen="1")
+    mine.busy = True
+    assert [v.busy for v in summary.views_of(json.loads(json.dumps(
+        summary.report_of([mine], now))), now)] == [True]

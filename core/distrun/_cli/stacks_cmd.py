@@ -79,7 +79,8 @@ def stacks_cmd(run: str | None) -> None:
         # several groups (--ft): a folder and a line each, named by the group
         where = os.path.join(out, name.replace(" ", "-")) if len(groups) > 1 else out
         now = time.monotonic()
-        line = summarize(views, now, evidence=where + os.sep, title="positions", unseen=unseen)
+        line = summarize(views, now, evidence=where + os.sep, title="positions", unseen=unseen,
+                         unit=str(info.get("unit") or "node"))
         write_evidence(where, views, line, now)
         lines.append(f"{name}: {line}" if len(groups) > 1 else line)
     if not lines:

@@ -167,7 +167,7 @@ class _Asks:
         from distrun._diagnose.summary import report_of
         from distrun._diagnose.watcher import node_views
 
-        views = node_views(self.folder)
+        views = node_views(self.folder, look_busy=True)
         with open(os.path.join(self.folder, f"node-{key}.json"), "w") as fh:
             json.dump(report_of(views, time.monotonic()), fh)
         _answer(key, self.folder, self.env, collect=False)

@@ -37,6 +37,9 @@ class RankView:
     stacks: Stacks | None = None
     #: the user's line, as the rank's own node read it (a view from another node's report)
     line: str | None = None
+    #: its processes worked while its node answered another node's look (a rank that works
+    #: long is slow, not stalled: :mod:`distrun._diagnose.processes`)
+    busy: bool = False
 
     def where(self) -> str:
         """`` at hang.py:17 (time.sleep(100))``, or "" when no frame of the user's shows."""
@@ -91,11 +94,13 @@ def _step_of(pos: Position) -> int:
 
 
 def summarize(views: list[RankView], now: float, evidence: str = "",
-              title: str = "stall", unseen: str = "") -> str:
+              title: str = "stall", unseen: str = "", unit: str = "node") -> str:
     """One line: the culprits first, then what the others do, then where the stacks are.
     ``title``: ``stall`` (the watcher's), else a look at a run that may be moving.
     ``unseen``: the nodes whose ranks are missing from ``views`` (they did not report), said
-    in the line; no rank is then called "not behind" on the evidence of the others alone."""
+    in the line; no rank is then called "not behind" on the evidence of the others alone.
+    ``unit``: what a group of the run is, ``node``, or ``rank`` where a launcher starts each
+    rank (srun's tasks, Ray's actors)."""
     views = sorted(views, key=lambda v: v.rank)
     placed = [v.position for v in views
               if v.position is not None and v.position.phase != Phase.SERVING]
@@ -116,9 +121,16 @@ def summarize(views: list[RankView], now: float, evidence: str = "",
             doing = f"{_PLURAL.get(verb, verb)} {rest}"
         parts.append(f"{_ranks(group)} {doing}")
     if unseen:
-        own = "; that node's launcher prints its own line" if title == "stall" else ""
-        parts.append(f"the ranks of node {unseen} are not seen here (its report did not come "
-                     f"in time{own})")
+        one = "," not in unseen
+        if unit == "node":
+            who, whose = f"the ranks of node{'' if one else 's'} {unseen} are", \
+                "that node's" if one else "each node's"
+        else:
+            who, whose = f"rank {unseen} is" if one else f"ranks {unseen} are", \
+                "its" if one else "each one's"
+        own = f"; {whose} launcher prints its own line" if title == "stall" else ""
+        parts.append(f"{who} not seen here ({'its report' if one else 'their reports'} did not "
+                     f"come in time{own})")
     tail = f"; stacks: {evidence}" if evidence else ""
     return f"{head}: " + "; ".join(parts) + tail
 
@@ -236,7 +248,8 @@ def report_of(views: list[RankView], now: float) -> dict[str, Any]:
     for v in views:
         item: dict[str, Any] = {"rank": v.rank, "host": v.host, "pid": v.pid, "state": v.state,
                                 "line": v.where()[len(" at "):],
-                                "stacks": v.stacks.text if v.stacks is not None else None}
+                                "stacks": v.stacks.text if v.stacks is not None else None,
+                                "busy": v.busy}
         pos = v.position
         if pos is not None:
             item["position"] = {
@@ -258,5 +271,5 @@ def views_of(report: dict[str, Any], now: float) -> list[RankView]:
             p["seq"], now - p["coll_age"], p["step"], p["step_seconds"], bytes.fromhex(p["ring"]))
         stacks = parse_stacks(item["stacks"]) if item.get("stacks") else None
         views.append(RankView(item["rank"], item["host"], item["pid"], item["state"], pos,
-                              stacks, item.get("line") or ""))
+                              stacks, item.get("line") or "", bool(item.get("busy"))))
     return views

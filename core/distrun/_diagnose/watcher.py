@@ -64,15 +64,16 @@ def under_timeout(timeout: float) -> float:
 
 
 def evidence_folder(parent: str, base: str = "stall", node: int | None = None,
-                    count: int = 0) -> str:
+                    count: int = 0, unit: str = "node") -> str:
     """A new ``stall-N`` folder's path in ``parent`` (the run folder, else the log folder;
     "": the temporary folder, as for a plain script without ``--name``). One node of
-    several: ``stall-<its count>-node<K>`` (the nodes may share the run folder)."""
+    several: ``stall-<its count>-node<K>`` (the nodes may share the run folder);
+    ``-rank<K>`` where a launcher starts each rank (``unit``)."""
     prefix = base
     if not parent:
         parent, prefix = tempfile.gettempdir(), f"distrun-{base}-{os.getpid()}"
     if node is not None:
-        return os.path.join(parent, f"{prefix}-{count}-node{node}")
+        return os.path.join(parent, f"{prefix}-{count}-{unit}{node}")
     n = 1 + sum(1 for _ in glob.glob(os.path.join(parent, f"{prefix}-*")))
     while os.path.exists(os.path.join(parent, f"{prefix}-{n}")):
         n += 1
@@ -138,9 +139,10 @@ def diagnose_group(folder: str, ranks: dict[int, tuple[int, int | None]],
     return views
 
 
-def node_views(folder: str) -> list[RankView]:
+def node_views(folder: str, look_busy: bool = False) -> list[RankView]:
     """Every rank of this node that keeps a record in ``folder``, as :class:`RankView`
-    (``distrun stacks``, and a rank that answers another node's request for it)."""
+    (``distrun stacks``, and a rank that answers another node's request for it).
+    ``look_busy``: first see which of them work (:attr:`RankView.busy`), a moment's look."""
     ranks: dict[int, tuple[int, int | None]] = {}
     try:
         names = sorted(os.listdir(folder))
@@ -151,7 +153,23 @@ def node_views(folder: str) -> list[RankView]:
             pos = read_position(os.path.join(folder, name))
             if pos is not None:
                 ranks[pos.rank] = (pos.pid, None)
-    return diagnose_group(folder, ranks, socket.gethostname()) if ranks else []
+    if not ranks:
+        return []
+    # (before the stacks: answering them is work. A rank leads its session, as the group
+    # starts it; one that does not is never said busy, as by the node's own watcher)
+    busy = busy_sessions({pid for pid, _ in ranks.values() if _leads(pid)}) if look_busy \
+        else set()
+    views = diagnose_group(folder, ranks, socket.gethostname())
+    for v in views:
+        v.busy = ranks[v.rank][0] in busy and v.state == "running"
+    return views
+
+
+def _leads(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except OSError:
+        return False
 
 
 #: what a positions folder says of its run, for ``distrun stacks RUN``
@@ -164,7 +182,7 @@ def _describe_run(folder: str, config: Any, group: Any) -> None:
     info = {"run_dir": os.path.abspath(run_dir) if run_dir else "",
             "name": getattr(config, "name", ""), "log_dir": getattr(config, "log_dir", ""),
             "host": socket.gethostname(), "group": getattr(group, "name", ""),
-            "nnodes": nnodes, "node_rank": node}
+            "nnodes": nnodes, "node_rank": node, "unit": _unit(group)}
     with contextlib.suppress(OSError), open(os.path.join(folder, RUN_FILE), "w") as fh:
         json.dump(info, fh)
 
@@ -197,6 +215,15 @@ def _part(group: Any) -> tuple[int, int]:
     return (int(part[0]), int(part[1])) if part else (0, 1)
 
 
+def _unit(group: Any) -> str:
+    """What the index of :func:`_part` counts: ``node``, or ``rank`` where a launcher starts
+    each rank (the words of the lines and folders)."""
+    ranks = getattr(group, "ranks", None)
+    part = getattr(ranks, "part", None)
+    return "rank" if part and tuple(part) != (getattr(ranks, "node_rank", 0),
+                                              getattr(ranks, "nnodes", 1)) else "node"
+
+
 def _failing(group: Any) -> bool:
     """A rank failed (or all ended): the group's own wait reports it, not a stall. (A rank
     that exited 0 while the others wait for it is a stall, and is named so.)"""
@@ -220,7 +247,8 @@ class StallWatcher:
         self._watching: dict[int, tuple[threading.Thread, threading.Event]] = {}
         #: the last stall's line (None: none so far)
         self.summary: str | None = None
-        self.count = 0  # stalls so far: the key of each one's reports across nodes
+        self.count = 0  # looks across nodes so far: the key of each one's reports
+        self.stalls = 0  # stalls said so far (stall-N folders)
         self.busy_count = 0  # busy ranks said so far (busy-N folders)
 
     def started(self, group: Any) -> None:
@@ -284,35 +312,70 @@ class StallWatcher:
                 continue
             if _failing(group):  # (during the look at the processes)
                 return
+            views, unseen = self._look(group)
+            elsewhere = sorted(v.rank for v in views if v.busy)
+            if elsewhere:
+                # another node's rank works while these wait (a node of srun's tasks or
+                # Ray's actors holds one rank: the only place its work shows is here)
+                if not warned:
+                    warned = True
+                    self._busy(group, elsewhere, views, unseen)
+                moved_at = time.monotonic() - 0.75 * limit
+                continue
+            if _failing(group):
+                return
             reported = True
-            self._stalled(group)
+            self._stalled(group, views, unseen)
             if not self.wait_on:
                 return
 
-    def _busy(self, group: Any, ranks: list[int]) -> None:
-        """Ranks ``ranks`` burn CPU past the limit while the others wait for them: a
-        warning line with their stacks (this node's; the run goes on, and the collective
-        timeout ends it unless they finish)."""
+    def _views(self, group: Any) -> list[RankView]:
+        """This node's ranks, their positions and stacks."""
         codes = group.poll()
-        views = diagnose_group(group.positions, {w.rank: (w.proc.pid, c) for w, c in
-                                                 zip(group.workers, codes)}, self.host)
-        parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
+        return diagnose_group(group.positions, {w.rank: (w.proc.pid, c) for w, c in
+                                                zip(group.workers, codes)}, self.host)
+
+    def _look(self, group: Any) -> tuple[list[RankView], str]:
+        """Every rank of the run: this node's, and the other nodes' as they answered (with
+        whether they work); and the nodes that did not answer (:func:`across_nodes`)."""
+        views = self._views(group)
         node, nnodes = _part(group)
+        if nnodes < 2:
+            return views, ""
+        self.count += 1
+        return across_nodes(group.positions, [w.rank for w in group.workers], views, nnodes,
+                            node, str(self.count))
+
+    def _busy(self, group: Any, ranks: list[int], views: list[RankView] | None = None,
+              unseen: str = "") -> None:
+        """Ranks ``ranks`` burn CPU past the limit while the others wait for them: a
+        warning line with their stacks (``views``: every node's; else this node's); the run
+        goes on, and the collective timeout ends it unless they finish."""
         self.busy_count += 1
-        folder = evidence_folder(parent, "busy", node=node if nnodes > 1 else None,
-                                 count=self.busy_count)
-        now = time.monotonic()
         who = f"rank {ranks[0]} burns" if len(ranks) == 1 else \
             f"ranks {','.join(map(str, ranks))} burn"
         why = (f"{who} CPU while the others wait: a livelock, or work longer than they wait "
                f"(the collective timeout, {self.timeout:g} s, ends the run unless it finishes)")
-        line = summarize(views, now, title="busy") + f" ({why})"
-        try:
-            write_evidence(folder, views, line, now)
-            line += f"; stacks: {folder}{os.sep}"
-        except OSError as exc:
-            line += f" (stacks not kept: {exc.strerror})"
+        line = self._told(group, "busy", self.busy_count,
+                          self._views(group) if views is None else views, unseen, f" ({why})")
         self._say("warning", group, line)
+
+    def _told(self, group: Any, title: str, count: int, views: list[RankView], unseen: str,
+              why: str = "") -> str:
+        """The line of a look (``title``: stall or busy) with ``why`` after the summary, and
+        where its evidence went: a new ``<title>-N`` folder of the run's."""
+        parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
+        node, nnodes = _part(group)
+        unit = _unit(group)
+        folder = evidence_folder(parent, title, node=node if nnodes > 1 else None,
+                                 count=count, unit=unit)
+        now = time.monotonic()
+        line = summarize(views, now, title=title, unseen=unseen, unit=unit) + why
+        try:
+            write_evidence(folder, views, f"{line}; stacks: {folder}{os.sep}", now)
+        except OSError as exc:
+            return f"{line} (stacks not kept: {exc.strerror})"
+        return f"{line}; stacks: {folder}{os.sep}"
 
     def _say(self, word: str, group: Any, line: str) -> None:
         name = getattr(group, "name", "")
@@ -324,24 +387,11 @@ class StallWatcher:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
 
-    def _stalled(self, group: Any) -> None:
-        codes = group.poll()
-        ranks = {w.rank: (w.proc.pid, c) for w, c in zip(group.workers, codes)}
-        views = diagnose_group(group.positions, ranks, self.host)
-        self.count += 1
-        node, nnodes = _part(group)
-        unseen = ""
-        if nnodes > 1:
-            views, unseen = across_nodes(group.positions, [w.rank for w in group.workers],
-                                         views, nnodes, node, str(self.count))
-        parent = getattr(self.config, "run_dir", "") or getattr(self.config, "log_dir", "")
-        folder = evidence_folder(parent, node=node if nnodes > 1 else None, count=self.count)
-        now = time.monotonic()
-        line = summarize(views, now, evidence=folder + os.sep, unseen=unseen)
-        try:
-            write_evidence(folder, views, line, now)
-        except OSError as exc:
-            line = summarize(views, now, unseen=unseen) + f" (stacks not kept: {exc.strerror})"
+    def _stalled(self, group: Any, views: list[RankView], unseen: str) -> None:
+        """No rank moves or works: the line that names the culprit, the evidence, and (by
+        default) the end of the workers."""
+        self.stalls += 1
+        line = self._told(group, "stall", self.stalls, views, unseen)
         self.summary = line
         self._say("warning" if self.wait_on else "error", group, line)
         if not self.wait_on:

@@ -153,6 +153,33 @@ def test_srun_style_tasks_name_the_stalled_rank_of_another_task(h, tmp_path):
                          r" rank 0 in backward for \d+ s; stacks: ", stall[0]), stall
 
 
+@pytest.mark.slow
+def test_a_task_whose_rank_works_long_is_said_busy_by_the_waiting_task_and_the_run_goes_on(
+        h, tmp_path):
+    """A task's launcher watches its one rank, so it cannot see that rank work while the
+    others wait; the waiting task's launcher asks the other task, whose answer says its rank
+    works: that is slow, not a stall. Said once, by the waiting task, naming rank 1 and its
+    line; nothing ends the run, which finishes once the work does."""
+    port = free_port()
+    tasks = Path(__file__).resolve().parents[2] / "core"  # (stall_task)
+    env = {"PYTHONPATH": os.pathsep.join([str(tasks), os.environ.get("PYTHONPATH", "")]),
+           "STALL_IN": "step", "STALL_HOW": "spin", "STALL_FOR": "25",
+           "STALL_MARK": str(tmp_path / "fault")}
+    procs = [h.start("run", "--stall-timeout", "5", "--timeout", "90", "--batch-size", "16",
+                     "--run-dir", str(tmp_path / "run"), "stall_task:StallTask",
+                     env=_slurm_task(h, r, port) | env, cwd=tmp_path) for r in range(2)]
+    (code0, out0), (code1, out1) = h.finish(procs)
+    assert (code0, code1) == (0, 0), out0 + out1
+    assert "error: stall" not in out0 + out1, out0 + out1
+    busy = [ln for ln in (out0 + out1).splitlines() if ln.startswith("warning: busy")]
+    assert len(busy) == 1 and busy[0] in out0, out0 + out1
+    assert re.search(r"^warning: busy at step 20: rank 1 \(host \S+, pid \d+\) in training_step "
+                     r"for \d+ s at stall_task\.py:\d+ \(.*\); rank 0 in backward for \d+ s "
+                     r"\(rank 1 burns CPU while the others wait: .*\); stacks: \S+busy-1-rank0/$",
+                     busy[0]), busy
+    assert "stall_task.py" in (tmp_path / "run" / "busy-1-rank0" / "rank1.txt").read_text()
+
+
 def test_distrun_stacks_on_a_node_of_srun_tasks_shows_every_task(h, tmp_path):
     """Two srun tasks' launchers on one node, one live run folder: ``distrun stacks`` asks
     one task's ranks, which ask the other's, and shows both ranks in one line."""

@@ -173,6 +173,6 @@ def test_a_stalled_rank_is_named_once_by_the_ray_launcher(h, tmp_path, ray_addre
     assert len(stall) == 1, err
     assert re.search(r"^error: stall at step 20: rank 1 \(host \S+, pid \d+\) in training_step "
                      r"for \d+ s at stall_task\.py:\d+ \(time\.sleep\(600\)\); rank 0 in "
-                     r"backward for \d+ s; stacks: runs/s/stall-1-node[01]/$", stall[0]), stall
+                     r"backward for \d+ s; stacks: runs/s/stall-1-rank[01]/$", stall[0]), stall
     assert "failed with exit code" not in err, err  # (the stall ended it, said once)
-    assert list((tmp_path / "runs" / "s").glob("stall-1-node*/rank1.txt")), err
+    assert list((tmp_path / "runs" / "s").glob("stall-1-rank*/rank1.txt")), err
