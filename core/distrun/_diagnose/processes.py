@@ -18,9 +18,16 @@ import time
 
 __all__ = ["busy_sessions", "process_state"]
 
-#: a rank works when its session used this share of one CPU, or moved this many bytes
+#: a rank works when its session used this share of one CPU, or moved this many bytes ...
 BUSY_CPU = 0.1
 BUSY_BYTES = 1 << 20
+#: ... or when one of its threads ran or waited in a run queue to run for this share of the
+#: time: on a machine whose every core is taken a thread that computes gets a share of one,
+#: which can fall under BUSY_CPU, but it asks for all of it (a CI run with a busy process per
+#: core took a rank that spun for one that waited, and called the run stalled). Each
+#: thread on its own: a waiting rank's many threads each wake for a moment, and there each
+#: wake-up waits for a CPU too
+BUSY_THREAD = 0.5
 #: the names of threads that use CPU while their process waits (they poll, by design)
 SPINNERS = frozenset({"TP_SHM_reactor"})
 
@@ -36,10 +43,11 @@ def process_state(pid: int) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(state, "running")
 
 
-def _usage(sessions: set[int]) -> dict[int, tuple[float, int]]:
-    """Per session: its processes' CPU seconds and bytes read and written so far."""
+def _usage(sessions: set[int]) -> dict[int, tuple[float, int, dict[str, int]]]:
+    """Per session: its processes' CPU seconds and bytes read and written so far, and per
+    thread (``pid/tid``) the nanoseconds it ran or waited to run (:func:`_wanted`)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    out = {s: (0.0, 0) for s in sessions}
+    out: dict[int, tuple[float, int, dict[str, int]]] = {s: (0.0, 0, {}) for s in sessions}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -60,7 +68,29 @@ def _usage(sessions: set[int]) -> dict[int, tuple[float, int]]:
         except (OSError, ValueError, IndexError):
             continue
         was = out[sid]
-        out[sid] = (was[0] + cpu, was[1] + moved)
+        out[sid] = (was[0] + cpu, was[1] + moved, {**was[2], **_wanted(name)})
+    return out
+
+
+def _wanted(pid: str) -> dict[str, int]:
+    """Per thread of process ``pid`` (but :data:`SPINNERS`): the nanoseconds it ran on a CPU
+    or waited in a run queue for one so far (the kernel's ``schedstat``; none where the
+    kernel keeps none)."""
+    out = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as fh:
+                ran, waited = fh.read().split()[:2]
+            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as fh:
+                thread = fh.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            continue
+        if thread not in SPINNERS:
+            out[f"{pid}/{tid}"] = int(ran) + int(waited)
     return out
 
 
@@ -90,4 +120,6 @@ def busy_sessions(sessions: set[int], window: float = 1.5) -> set[int]:
     after = _usage(sessions)
     return {s for s in sessions
             if after[s][0] - before[s][0] >= BUSY_CPU * window
-            or after[s][1] - before[s][1] >= BUSY_BYTES}
+            or after[s][1] - before[s][1] >= BUSY_BYTES
+            or max((ns - before[s][2].get(t, ns) for t, ns in after[s][2].items()),
+                   default=0) >= BUSY_THREAD * window * 1e9}
