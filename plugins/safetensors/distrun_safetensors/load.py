@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +115,12 @@ def _step_of(folder: str) -> int:
 
 
 def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
-            tier: NodeFolder | None = None) -> Checkpoint | None:
+            tier: NodeFolder | None = None,
+            holds: Callable[[Checkpoint], str | None] | None = None) -> Checkpoint | None:
+    """The first valid folder of ``source``. ``holds``: what a node's folder of the tier does
+    not hold of this rank's tensors (a part, or a view whose other part is missing: the node
+    that held it was lost before its copy of that step arrived); such a folder is skipped
+    for the next, as a damaged one is."""
     rank, world = comm.rank_world()
     if source == BEST:
         source, pointer = LATEST, BEST
@@ -144,6 +150,9 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
         try:  # a node's folder is checked by its own ranks
             ckpt = validate(here, tier.rank, tier.world, verify, part=True) if here and tier \
                 else validate(folder, rank, world, verify)
+            gap = holds(ckpt) if here and holds is not None else None
+            if gap is not None:
+                error = ("bad", gap)
         except NewerFormatError as exc:  # not damaged: never skipped for an older one
             error = ("newer", str(exc))
         except CheckpointError as exc:
@@ -199,14 +208,9 @@ def _fit_problems(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> s
     if parts:
         return (f"{ckpt.folder} does not fit this model: " + " | ".join(parts)
                 + " (load it into the model it was saved from)")
-    for k, t in sd.items():
-        box = box_of(t)
-        if box is not None and not covered(ckpt.model[k], *box):
-            return f"{ckpt.folder}: tensor {k!r} is not fully stored (incomplete checkpoint)"
-    if PART in ckpt.manifest and optimizer is not None and ckpt.optimizer is not None:
-        missing = _optimizer_gap(ckpt, model, optimizer)  # a node's part: what this rank reads
-        if missing is not None:
-            return f"{ckpt.folder}: tensor {missing!r} is not fully stored here (a part)"
+    gap = _gap(ckpt, model, optimizer)
+    if gap is not None:
+        return gap
     if optimizer is not None and ckpt.optimizer is not None:
         kind = ckpt.optimizer.get("class")
         if kind and kind != type(optimizer).__name__ and comm.rank_world()[0] == 0:
@@ -252,7 +256,8 @@ def load(source: str, model: torch.nn.Module, optimizer: Any = None, *, ckpt_dir
     a folder whose checkpoints compete with ``ckpt_dir``'s under ``latest`` and ``auto``
     (:class:`NodeFolder`, the memory tier's).
     """
-    ckpt = _choose(source, ckpt_dir, verify, pointer, tier)
+    ckpt = _choose(source, ckpt_dir, verify, pointer, tier,
+                   lambda found: _gap(found, model, optimizer))
     if ckpt is None:
         return None
     problem = None
@@ -290,6 +295,24 @@ def _load_model(ckpt: Checkpoint, model: torch.nn.Module, open_file: Any) -> Non
             if local.numel() == 0:
                 continue
             read_box(open_file, ckpt.model[name], *box, local)
+
+
+def _gap(ckpt: Checkpoint, model: torch.nn.Module, optimizer: Any) -> str | None:
+    """A tensor this rank reads that the folder does not hold all of (an incomplete
+    checkpoint, or a node's part of one), said; None: it holds every one, or it is not this
+    model's (:func:`_fit_problems` says how)."""
+    sd = model.state_dict()
+    if set(sd) != set(ckpt.model):
+        return None
+    for k, t in sd.items():
+        box = box_of(t)
+        if box is not None and not covered(ckpt.model[k], *box):
+            return f"{ckpt.folder}: tensor {k!r} is not fully stored (incomplete checkpoint)"
+    if PART in ckpt.manifest and optimizer is not None and ckpt.optimizer is not None:
+        missing = _optimizer_gap(ckpt, model, optimizer)  # a node's part: what this rank reads
+        if missing is not None:
+            return f"{ckpt.folder}: tensor {missing!r} is not fully stored here (a part)"
+    return None
 
 
 def _optim_box(info: dict[str, Any], param: torch.Tensor) -> tuple[list[int], list[int]] | None:

@@ -57,7 +57,7 @@ def test_an_in_place_save_that_fails_on_one_rank_fails_on_every_rank_at_wait(tmp
 
 
 def test_a_state_sharded_across_nodes_is_saved_in_parts_each_copied_to_the_other_node(
-        tmp_path):
+        tmp_path, caplog):
     """FSDP over 4 ranks of two nodes: each node's folder holds its part of the state (refused
     as a checkpoint by any reader but the tier's resume) and, in ``replica/``, the other
     node's part of the same step, copied over gloo in many chunks (the older step's copy
@@ -81,6 +81,35 @@ def test_a_state_sharded_across_nodes_is_saved_in_parts_each_copied_to_the_other
         view = json.loads((tmp_path / f"node{k}" / f"views-{2 * k}" / "step-3" /
                            "manifest.json").read_text())
         assert "part" not in view and view["states"]["world_size"] == 4, view
+    # node 1 lost before its copy of step 3 reached node 0: node 0 re-formed alone has only its
+    # own part of that step; its view is skipped in one line for the next newest checkpoint
+    # (here the disk's), never loaded as a whole
+    import shutil
+
+    from st_layouts import full_state
+
+    from distrun_safetensors.load import NodeFolder, load
+    from distrun_safetensors.replica import build_views, replica_dir
+    from distrun_safetensors.save import Checkpointer
+
+    shutil.rmtree(os.path.join(replica_dir(str(tmp_path / "node0")), "step-3"))
+    views = build_views(str(tmp_path / "node0"), "views-alone")
+    assert views is not None and os.path.isdir(os.path.join(views, "step-3"))
+    torch.manual_seed(3)
+    on_disk = MLP()
+    on_disk_opt = torch.optim.AdamW(on_disk.parameters(), lr=0.05)
+    Checkpointer(str(tmp_path / "disk")).save(2, on_disk, on_disk_opt, {"progress": {"step": 2}})
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    with caplog.at_level("WARNING"):
+        result = load("latest", model, opt, ckpt_dir=str(tmp_path / "disk"),
+                      tier=NodeFolder(views, views, None, 0, 1))
+    assert result is not None and result.path == str(tmp_path / "disk" / "step-2"), result
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 1 and "views-alone/step-3" in skipped[0] and \
+        "not fully stored" in skipped[0], skipped
+    assert [k for k, v in full_state(model, opt).items()
+            if not torch.equal(v, full_state(on_disk, on_disk_opt)[k])] == []
 
 
 def test_the_copy_streams_files_of_any_size_across_chunks(tmp_path, monkeypatch):
