@@ -52,7 +52,7 @@ from typing import Any
 
 from distrun.plugin import StashKey, hookimpl, reaped
 
-__all__ = ["ENV", "MemoryCadence", "MemoryTier", "memory_snapshot", "start_tier",
+__all__ = ["ENV", "MemoryCadence", "MemoryTier", "memory_snapshot", "note_resume", "start_tier",
            "tier_dir"]
 
 #: the variable that names the tier's folder to the workers
@@ -61,6 +61,8 @@ _PREFIX = "distrun-ckpt-memory-"
 #: the tier's checkpointer and cadence (a worker's)
 _SAVER: StashKey[Any] = StashKey("safetensors.memory")
 _CADENCE: StashKey[Any] = StashKey("safetensors.memory.cadence")
+#: the tier's step this worker resumed from, and the folder it read
+_RESUMED: StashKey[tuple[int, str]] = StashKey("safetensors.memory.resumed")
 
 
 def _memory_root() -> str:
@@ -263,6 +265,8 @@ def memory_checkpointer(run: Any, cadence: MemoryCadence) -> Any:
         from distrun_safetensors.tier_nodes import local_world
 
         saver.room_check = cadence.room(local_world(run))
+        if _RESUMED in run.stash:  # its newest committed step: the files of older ones are
+            saver.last = run.stash[_RESUMED]  # written over (in_place.py)
         run.stash[_SAVER] = saver
     return saver
 
@@ -279,6 +283,15 @@ def memory_snapshot(run: Any) -> Any:
         cadence.save(run, step)
     saver = run.stash.get(_SAVER)
     return saver.snapshot(step) if saver is not None and not cadence.off else None
+
+
+def note_resume(run: Any, step: int, path: str, tier: str | None) -> None:
+    """A resume read ``path`` (``step``): from the memory tier's folder ``tier``, its saves
+    go on from that step (the spares a killed process left are written over)."""
+    if tier is not None and os.path.abspath(path).startswith(os.path.abspath(tier) + os.sep):
+        run.stash[_RESUMED] = (step, path)
+    else:
+        run.stash.pop(_RESUMED, None)
 
 
 def wait_for_memory_save(run: Any) -> None:

@@ -199,7 +199,7 @@ def distrun_save_checkpoint(run, reason):
 @hookimpl
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
-    from distrun_safetensors.memory_tier import tier_dir, wait_for_memory_save
+    from distrun_safetensors.memory_tier import note_resume, tier_dir, wait_for_memory_save
     from distrun_safetensors.tier_nodes import node_tier
 
     saver = run.stash.get(_KEY)
@@ -216,6 +216,7 @@ def distrun_load_checkpoint(run, source):
                   verify=_opts(run).ckpt_verify, pointer=pointer, tier=tier)
     if result is None:
         return None
+    note_resume(run, result.step, result.path, tier_dir() if tier is not None else None)
     run.load_state_dict(result.state)
     if os.path.dirname(os.path.abspath(result.path)) == os.path.abspath(ckpt_dir(run)) \
             and run.progress.step == result.step:

@@ -244,6 +244,53 @@ def test_a_disk_save_writes_from_the_in_place_snapshot_which_no_save_overwrites_
     assert len(list(spares.iterdir())) == 2 * 2  # two steps' model and optimizer files
 
 
+def test_a_restarted_rank_writes_over_the_spares_its_killed_process_left(tmp_path):
+    """A rank killed after its in-place saves of steps 1-3 leaves spares of steps 2 and 3; its
+    restart resumed from step 3 writes step 4 into step 2's files (no fresh pages), keeps
+    step 3's (the checkpoint a second kill would load) intact, and saves the same bytes as
+    an ordinary save. A process that did not resume from the tier lets them all go."""
+    model, opt = build("plain")
+    killed = Checkpointer(str(tmp_path / "mem"), keep_last=1, async_save=True, split_bytes=16,
+                          in_place=True)
+    for step in (1, 2, 3):
+        train_step(model, opt, step)
+        killed.save(step, model, opt, {"progress": {"step": step}})
+    killed.wait()
+    step_3 = {n.name: n.read_bytes() for n in (tmp_path / "mem" / "step-3").glob("*-*-of-*")}
+    spares = tmp_path / "mem" / ".spare-0"
+    left = {n.name: n.stat().st_ino for n in spares.iterdir()}
+    assert sorted({name.split("-")[0] for name in left}) == ["2", "3"]
+    del killed  # (as a kill leaves it: nothing let go)
+    restarted = Checkpointer(str(tmp_path / "mem"), keep_last=1, async_save=True,
+                             split_bytes=16, in_place=True)
+    restarted.last = (3, str(tmp_path / "mem" / "step-3"))  # what the resume read
+    plain = Checkpointer(str(tmp_path / "disk"), keep_last=1, async_save=True, split_bytes=16)
+    train_step(model, opt, 4)
+    at_4 = full_state(model, opt)
+    for saver in (restarted, plain):
+        saver.save(4, model, opt, {"progress": {"step": 4}})
+    train_step(model, opt, 104)  # (training goes on while the write is in flight)
+    restarted.wait()
+    plain.wait()
+    mem, disk = tmp_path / "mem" / "step-4", tmp_path / "disk" / "step-4"
+    data = sorted(n.name for n in mem.glob("*.safetensors") if n.name.startswith(("model-",
+                                                                                  "optim-")))
+    assert data and {(mem / name).stat().st_ino for name in data} == {
+        ino for name, ino in left.items() if name.startswith("2-")}
+    for name in data:
+        assert (mem / name).read_bytes() == (disk / name).read_bytes(), name
+    fresh, fresh_opt = build("plain", seed=7)
+    assert load(str(mem), fresh, fresh_opt).step == 4
+    assert compare(full_state(fresh, fresh_opt), at_4) == []
+    for name, old in step_3.items():  # step 3's files, kept as they were (pruned as a
+        assert (spares / f"3-{name}").read_bytes() == old, name  # folder, written over later)
+    other = Checkpointer(str(tmp_path / "mem"), keep_last=1, async_save=True, split_bytes=16,
+                         in_place=True)
+    other.save(5, model, opt, {"progress": {"step": 5}})  # (no resume from the tier)
+    other.wait()
+    assert sorted({n.name.split("-")[0] for n in spares.iterdir()}) == ["5"]
+
+
 def test_auto_with_nothing_returns_none(tmp_path):
     model, opt = build("plain")
     assert load("auto", model, opt, ckpt_dir=str(tmp_path / "none")) is None
