@@ -24,6 +24,7 @@ nodes, worker rank 0 hosts it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import signal
@@ -49,6 +50,10 @@ from distrun_elastic.liveness import Liveness, LostPeer, publish_generation
 from distrun_elastic.settings import RESTART_GRACE, ElasticPlan
 
 __all__ = ["CutOff", "DistrunAgent", "root_cause"]
+
+#: LocalElasticAgent(shutdown_timeout=...) exists (torch 2.13's does; 2.11's
+#: has no such argument: the GPU lane's restart check failed on it)
+_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent).parameters
 
 _USAGE_ERROR = 2
 #: signals the launcher forwards to the workers (SIGUSR1: SLURM's --signal warning)
@@ -95,8 +100,13 @@ class DistrunAgent(LocalElasticAgent):
                  bind: str | None = None, trains_task: bool = True,
                  log_dir: str | None = None, error_dir: str | None = None,
                  scratch: str | None = None, services: Sequence[Any] = (),
-                 **kwargs: Any) -> None:
+                 shutdown_timeout: float = 30, **kwargs: Any) -> None:
+        # a torch that takes the stop's grace as an argument gets it; an older one's calls of
+        # _shutdown pass none, and ours (below) reads this attribute either way
+        if _TAKES_SHUTDOWN_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(*args, **kwargs)
+        self._shutdown_timeout = shutdown_timeout
         self.services = list(services)
         #: the rendezvous round of this node's current attempt (DISTRUN_RDZV_GENERATION)
         self.generation: int | None = None
@@ -232,9 +242,11 @@ class DistrunAgent(LocalElasticAgent):
         _stop_with_signals()  # as torch's own process context does: SignalException in run()
         return {w.local_rank: w.proc.pid for w in self.group.workers}
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
+                  timeout: float | None = None) -> None:
         if self.group is not None:
-            self.group.stop(grace=float(timeout), signum=death_sig)
+            grace = self._shutdown_timeout if timeout is None else timeout
+            self.group.stop(grace=float(grace), signum=death_sig)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         if self.liveness is not None:
