@@ -158,7 +158,9 @@ class TinyGPTTask(distrun.Task):
 
     def sample(self, model: nn.Module, prompt: str = "def ", n: int = 80) -> str:
         """Greedy continuation of ``prompt`` (one process, unsharded model)."""
-        idx = torch.tensor([[self.chars.index(c) for c in prompt if c in self.chars]])
+        device = next(model.parameters()).device  # (the GPU's, where the run trained there)
+        idx = torch.tensor([[self.chars.index(c) for c in prompt if c in self.chars]],
+                           device=device)
         with torch.no_grad():
             for _ in range(n):
                 logits = model(idx[:, -BLOCK:])[:, -1]
