@@ -12,7 +12,9 @@
   weights;
 - ``ckpt`` (ckpt_check.py): checkpoint save and load of GPU state (~1 GB) against DCP and
   ``torch.save``, and the async save's stall against a plain device-to-host copy into pinned
-  memory (the pieces of benchmarks/checkpoint.py).
+  memory (the pieces of benchmarks/checkpoint.py);
+- ``tier`` (tier_check.py): the memory tier's in-place saves of GPU state (~1 GB) into files
+  registered with CUDA against pageable ones, and against a pinned device-to-host copy.
 
 FILE is rewritten after every measurement, so a check stopped at its time limit still leaves
 what it measured (inproc_common.py's Result). ``--dry`` runs the same code on the CPU at the
@@ -33,8 +35,9 @@ from amp_check import check_amp  # noqa: E402
 from ckpt_check import check_ckpt  # noqa: E402
 from inproc_common import Result  # noqa: E402
 from step_check import check_step  # noqa: E402
+from tier_check import check_tier  # noqa: E402
 
-CHECKS = {"step": check_step, "amp": check_amp, "ckpt": check_ckpt}
+CHECKS = {"step": check_step, "amp": check_amp, "ckpt": check_ckpt, "tier": check_tier}
 
 
 def main(argv: list[str]) -> int:

@@ -52,7 +52,7 @@ from strategies_tune_restart import lane_restart, lane_strategies, lane_tune  # 
 #: seconds kept for each check still to come when one check's limit is set
 RESERVE = 20
 #: the lane's whole budget (seconds) unless --budget or GPU_LANE_BUDGET says otherwise
-BUDGET = 480
+BUDGET = 540
 
 
 @dataclass
@@ -73,14 +73,18 @@ CHECKS = (
     Check("strategies", 90, "fsdp (bf16 mixed precision) and ddp at world size 1, and fsdp "
           "over a 1-rank NCCL group: train and checkpoint; the checkpoints kept for the CPU "
           "cross-check"),
-    Check("step", 170, "distrun's loop against a hand-written loop, in-process, alternating: "
+    Check("step", 185, "distrun's loop against a hand-written loop, in-process, alternating: "
           "tiny_gpt and a ~100M GPT, eager and --compile"),
     Check("ckpt", 75, "checkpoint save/load GB/s of ~1 GB of GPU state against DCP and "
           "torch.save; async stall against a pinned device-to-host copy"),
+    Check("tier", 150, "the memory tier's in-place saves of ~1 GB of GPU state into files "
+          "registered with CUDA against pageable files and a pinned device-to-host copy; "
+          "tiny_gpt at ~85M under distrun run with and without a memory checkpoint every "
+          "step"),
     Check("tune", 60, "distrun tune batch-size finding the largest batch through a real CUDA "
           "out-of-memory error"),
-    Check("restart", 100, "a CUDA worker killed and restarted: torchrun against distrun run "
-          "(warm) and distrun's own loop, in the same run"),
+    Check("restart", 130, "a CUDA worker killed and restarted: torchrun against distrun run "
+          "(warm), distrun's own loop, and that loop with the memory tier, in the same run"),
 )
 NAMES = tuple(c.name for c in CHECKS)
 DRY_BUDGET = 150
@@ -108,7 +112,7 @@ def run_check(check: Check, out: Path, work: Path, limit: float, dry: bool,
     """Run one check in a process of its own (inproc.py for the in-process ones, this file's
     ``--check`` otherwise) within ``limit`` seconds; its entry of results.json."""
     result_file = work / f"{check.name}.json"
-    if check.name in ("step", "amp", "ckpt"):
+    if check.name in ("step", "amp", "ckpt", "tier"):
         cmd = [PY, str(HERE / "inproc.py"), check.name]
     else:
         cmd = [PY, str(HERE / "lane.py"), str(out), "--check", check.name]
@@ -263,12 +267,18 @@ def headline(name: str, fig: dict[str, Any]) -> str:
             return pick(fig, "bytes", "ours_save_GBps", "torch_save_GBps", "dcp_save_GBps",
                         "dd_GBps", "ours_load_GBps", "dcp_load_GBps", "torch_load_GBps",
                         "stall_vs_pinned_copy", "ours_load_bit_equal")
+        if name == "tier":
+            return pick(fig, "bytes", "registered_ms", "pageable_ms", "pinned_copy_ms",
+                        "registered_first_ms", "pageable_vs_registered",
+                        "registered_vs_pinned_copy", "load_bit_equal") + "; launches: " + \
+                pick(fig.get("launches", {}), "memory_vs_plain", "tier_said")
         if name == "tune":
             return pick(fig, "per_rank", "met_out_of_memory", "capped", "seconds")
         if name == "restart":
             parts = [f"{s}: {pick(fig[s], 'ok', 'recovery_s', 'load_s')}"
                      for s in fig.get("sides", []) if s in fig]
-            parts.append(pick(fig, "ratio_distrun-run_vs_torchrun", "ratio_distrun_vs_torchrun"))
+            parts.append(pick(fig, "ratio_distrun-run_vs_torchrun", "ratio_distrun_vs_torchrun",
+                              "ratio_distrun-memory_vs_torchrun"))
             return "; ".join(p for p in parts if p)
     except Exception as exc:  # a summary line must never stop the lane
         return f"(no summary: {type(exc).__name__}: {exc})"

@@ -177,7 +177,8 @@ def lane_restart(res: Result, out: Path, dry: bool) -> None:
         # NCCL refuses two ranks on one device: distrun's loop runs over gloo, as the plain
         # script does
         extra = {"BENCH_KILL_STEP": kill, "BENCH_STEPS": steps, "DISTRUN_BACKEND": "gloo"}
-        sides = ["distrun-run"] if dry else ["torchrun-fix", "distrun-run", "distrun"]
+        sides = ["distrun-run"] if dry else ["torchrun-fix", "distrun-run", "distrun",
+                                             "distrun-memory"]
         res.figures.update({"sides": sides, "kill_step": int(kill), "steps": int(steps),
                             "ranks": 2, "device": "cpu" if dry else "cuda:0 (both ranks)"})
         rows = {}
@@ -196,7 +197,8 @@ def lane_restart(res: Result, out: Path, dry: bool) -> None:
             res.write()
         base = rows.get("torchrun-fix", {}).get("recovery_s")
         if base:
-            for side, target in (("distrun-run", 0.5), ("distrun", 1.0)):
+            for side, target in (("distrun-run", 0.5), ("distrun", 1.0),
+                                 ("distrun-memory", 0.5)):
                 rec = rows.get(side, {}).get("recovery_s")
                 if rec:
                     load = rows[side].get("load_s") or 0.0

@@ -154,6 +154,26 @@ def test_new_checkpoints_are_checked_with_crc32c(tmp_path):
         assert info["crc32c"] == f"{want:08x}", name
 
 
+@pytest.mark.parametrize("size", [0, 1, 7, (32 << 20) - 1, (96 << 20) + 5])
+def test_a_checksum_in_parts_is_the_checksum_of_one_pass(size):
+    """The in-place saves checksum their files in parts on several threads and join them:
+    the same 8 hex digits as crc32c over the whole, where the parts split anywhere."""
+    import crc32c
+
+    from distrun_safetensors.checksums import checksum_in_parts, crc32c_join
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator()
+                         .manual_seed(size)).numpy()
+    want = f"{crc32c.crc32c(data.tobytes()):08x}"
+    for workers in (1, 2, 3, 4):
+        assert checksum_in_parts(data, workers=workers) == want, workers
+    raw = data.tobytes()
+    for cut in {0, 1, size // 3, size}:
+        first, second = raw[:cut], raw[cut:]
+        assert crc32c_join(crc32c.crc32c(first), crc32c.crc32c(second), len(second)) == \
+            int(want, 16), cut
+
+
 def test_async_saves_reuse_their_buffers_and_hold_each_snapshot(tmp_path):
     model, opt = build("plain")
     saver = Checkpointer(str(tmp_path / "ckpt"), async_save=True, split_bytes=16)
@@ -369,3 +389,47 @@ def test_state_that_is_not_data_fails_the_save_cleanly(tmp_path):
     with pytest.raises(CheckpointError, match=r"'state.bad' is a object, which is neither"):
         saver.save(1, model, opt, {"bad": object()})
     assert os.listdir(tmp_path / "ckpt") == []  # no folder, no leftovers, no `latest`
+
+
+def test_mappings_are_registered_with_cuda_once_and_unregistered_when_let_go(monkeypatch,
+                                                                             caplog):
+    """The bookkeeping of the in-place saves' registered mappings (the copies from a GPU run
+    in the GPU lane's ``tier`` check; here the driver's two calls are recorded): one register
+    per mapping however often it is written, one unregister when it is let go; a refusal
+    turns registering off in one line and the saves go on."""
+    from distrun_safetensors.in_place import _Registered
+
+    calls: list[tuple[str, int]] = []
+
+    class Driver:
+        refuse = False
+
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            calls.append(("register", ptr))
+            return 1 if self.refuse else 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            calls.append(("unregister", ptr))
+            return 0
+
+    driver = Driver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    a, b = torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+    reg = _Registered()
+    for _ in range(3):
+        reg.add(a)
+        reg.add(b)
+    reg.drop(a)
+    reg.drop(a)
+    reg.drop(None)
+    assert calls == [("register", a.data_ptr()), ("register", b.data_ptr()),
+                     ("unregister", a.data_ptr())]
+    driver.refuse, calls[:] = True, []
+    refused = _Registered()
+    with caplog.at_level(logging.WARNING, logger="distrun"):
+        refused.add(a)
+        refused.add(b)
+    refused.drop(a)
+    assert calls == [("register", a.data_ptr())]
+    said = [r.getMessage() for r in caplog.records if "registered with CUDA" in r.getMessage()]
+    assert len(said) == 1 and "error 1" in said[0] and "pageable speed" in said[0], said
