@@ -42,11 +42,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import math
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -164,6 +166,7 @@ class MemoryCadence:
         self.off = False
         self.checked = False
         self.saved: int | None = None  # the step of the last save
+        self.cost = SaveCost()
 
     def room(self, local_world: int) -> Any:
         """The check of the first save: its bytes (this rank's share) -> a refusal or None.
@@ -205,10 +208,12 @@ class MemoryCadence:
         if saver is not None and saver.pending is not None and not self.off:
             from distrun_safetensors.errors import CheckpointError, FencedError
 
+            started = time.perf_counter()
             try:
                 saver.wait()
             except (CheckpointError, FencedError) as exc:
                 self._turn_off(run, saver, str(exc))
+            self.cost.waited(time.perf_counter() - started)
         return (yield)
 
     def save(self, run: Any, step: int) -> None:
@@ -217,11 +222,16 @@ class MemoryCadence:
 
         saver = memory_checkpointer(run, self)
         self.saved = step
+        started = time.perf_counter()
         try:
             saver.save(step, run.unwrapped_model(), run.optimizer, run.state_dict(),
                        reason="memory", info=_info(run))
         except (CheckpointError, FencedError) as exc:
             self._turn_off(run, saver, str(exc))
+            return
+        said = self.cost.saved(started, step, saver.stats)
+        if said and run.is_global_zero:
+            run.log.warning("warning: memory tier: %s", said)
 
     def _turn_off(self, run: Any, saver: Any, why: str) -> None:
         """The tier is given up for this run, said once; the disk checkpoints go on."""
@@ -241,6 +251,59 @@ class MemoryCadence:
                 saver.wait()
             except Exception as exc:  # the disk copy is the durable one: said, not raised
                 self._turn_off(run, saver, str(exc))
+
+
+class SaveCost:
+    """How long the tier's saves hold the training up: measured over :attr:`SAVES` saves after
+    the first :attr:`SKIP` (which take fresh pages), and said once when that is more than
+    :attr:`LINE` of the time, with a cadence that would bring it to about that. A save holds the
+    step that makes it for the copy of the state (and for the write before it, if that is
+    not done), and the next step before its optimizer step for the commit."""
+
+    SKIP, SAVES, LINE = 2, 10, 0.05
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.copy = self.wait = 0.0
+        #: (time, step) at the start of the first measured save; None before it
+        self.start: tuple[float, int] | None = None
+        self.done = False
+
+    def waited(self, seconds: float) -> None:
+        """The wait for a measured save's commit before the next optimizer step."""
+        if self.start is not None and not self.done:
+            self.wait += seconds
+
+    def saved(self, started: float, step: int, stats: Mapping[str, Any]) -> str | None:
+        """A save of ``step`` begun at ``started`` (perf_counter) held the step for
+        ``stats``; once the measure is done, what to say (None: nothing)."""
+        if self.done:
+            return None
+        self.count += 1
+        if self.count <= self.SKIP:
+            return None
+        if self.start is None:
+            self.start = (started, step)
+        elif self.count > self.SKIP + self.SAVES:
+            self.done = True
+            return self._verdict(started - self.start[0], step - self.start[1])
+        waited = float(stats.get("waited_s") or 0.0)
+        self.copy += max(0.0, float(stats.get("stall_s") or 0.0) - waited)
+        self.wait += waited
+        return None
+
+    def _verdict(self, elapsed: float, steps: int) -> str | None:
+        held = self.copy + self.wait
+        if steps <= 0 or elapsed <= 0 or held <= self.LINE * elapsed:
+            return None
+        step_s = max(elapsed - held, 1e-6) / steps  # a step without the saves
+        per_save = held / self.SAVES
+        every = max(steps // self.SAVES + 1, math.ceil(per_save / (self.LINE * step_s)))
+        return (f"its saves take {held / elapsed:.0%} of the training time here (each: "
+                f"{self.copy / self.SAVES * 1e3:.0f} ms copying this rank's state, "
+                f"{self.wait / self.SAVES * 1e3:.0f} ms waiting for a commit; a step takes "
+                f"{step_s * 1e3:.0f} ms without them); --ckpt-memory-every-n-steps {every} "
+                f"would bring that to about {self.LINE:.0%}")
 
 
 def _info(run: Any) -> dict[str, Any]:
