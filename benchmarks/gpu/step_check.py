@@ -195,6 +195,9 @@ def check_step(res: Result, dry: bool) -> None:
                                          "ignore" if loop.endswith("ignore") else "warn")
                 rates[loop].append(rate)
                 _free()
+                # distrun's loop ends with a checkpoint (1.2 GB at 100M): its pages go to the
+                # disk now, not during the next loop's timed steps
+                os.sync()
                 print(f"{key} repeat {i + 1}/{repeats} {loop:<26} {rate:9.1f} steps/s "
                       f"({time.monotonic() - t0:.1f} s)", flush=True)
                 _summarize_step(entry)
@@ -204,6 +207,56 @@ def check_step(res: Result, dry: bool) -> None:
         if res.left() < 10:
             res.note(f"stopped after {key} (time budget)")
             break
+    if res.left() > 15:
+        _sync_census(res, dry)
+
+
+def _sync_census(res: Result, dry: bool, steps: int = 60) -> None:
+    """The host synchronizations of each loop over ``steps`` steps of tiny_gpt (torch's
+    ``set_sync_debug_mode``), and where the most frequent ones come from: distrun's loop
+    should add none per step beyond ``--nonfinite-loss``'s ``loss.item()`` (the first GPU
+    run: one per step with the default ``warn``, none with ``ignore``; three per log step
+    against the hand-written loop's one)."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    dev = _device(dry)
+    if dev.type != "cuda":
+        res.note("syncs: counted on a GPU only")
+        return
+    spec = _step_models(dry)["tiny_gpt"]
+    X, Y = spec["data"](steps * spec["batch"])
+    census: dict[str, Any] = {"steps": steps}
+    res.figures["syncs"] = census
+    seen: collections.Counter[str] = collections.Counter()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        if "synchroniz" in str(message):
+            frames = [f"{os.path.basename(f.filename)}:{f.lineno}"
+                      for f in traceback.extract_stack()[:-2]]
+            seen[" < ".join(reversed(frames[-5:]))] += 1
+
+    loops = {"torch": lambda: _hand_loop(spec, X, Y, steps, 5, False, dev, 10),
+             "distrun": lambda: _distrun_loop(spec, X, Y, steps, 5, False, dev, 10, "warn"),
+             "distrun_nonfinite_ignore": lambda: _distrun_loop(spec, X, Y, steps, 5, False,
+                                                               dev, 10, "ignore")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        for name, loop in loops.items():
+            seen.clear()
+            torch.cuda.set_sync_debug_mode(1)
+            try:
+                loop()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            census[name] = {"total": sum(seen.values()),
+                            "most": [[n, where] for where, n in seen.most_common(4)]}
+            res.write()
 
 
 def _summarize_step(entry: dict[str, Any]) -> None:
