@@ -45,7 +45,7 @@ def process_state(pid: int) -> str:
 
 def _usage(sessions: set[int]) -> dict[int, tuple[float, int, dict[str, int]]]:
     """Per session: its processes' CPU seconds and bytes read and written so far, and per
-    thread (``pid/tid``) the nanoseconds it ran or waited to run (:func:`_wanted`)."""
+    thread (``pid/tid``) the nanoseconds it ran or waited to run (:func:`_threads`)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out: dict[int, tuple[float, int, dict[str, int]]] = {s: (0.0, 0, {}) for s in sessions}
     for name in os.listdir("/proc"):
@@ -57,7 +57,8 @@ def _usage(sessions: set[int]) -> dict[int, tuple[float, int, dict[str, int]]]:
             sid = int(fields[3])  # (after the state: ppid, pgrp, session)
             if sid not in out:
                 continue
-            cpu = (int(fields[11]) + int(fields[12]) - _spun(name)) / tick  # utime, stime
+            spun, wanted = _threads(name)
+            cpu = (int(fields[11]) + int(fields[12]) - spun) / tick  # utime, stime
             moved = 0
             try:
                 with open(f"/proc/{name}/io") as fh:
@@ -68,49 +69,34 @@ def _usage(sessions: set[int]) -> dict[int, tuple[float, int, dict[str, int]]]:
         except (OSError, ValueError, IndexError):
             continue
         was = out[sid]
-        out[sid] = (was[0] + cpu, was[1] + moved, {**was[2], **_wanted(name)})
+        out[sid] = (was[0] + cpu, was[1] + moved, {**was[2], **wanted})
     return out
 
 
-def _wanted(pid: str) -> dict[str, int]:
-    """Per thread of process ``pid`` (but :data:`SPINNERS`): the nanoseconds it ran on a CPU
-    or waited in a run queue for one so far (the kernel's ``schedstat``; none where the
-    kernel keeps none)."""
-    out = {}
+def _threads(pid: str) -> tuple[int, dict[str, int]]:
+    """One walk over the threads of process ``pid``: the clock ticks its :data:`SPINNERS`
+    used so far, and per other thread (``pid/tid``) the nanoseconds it ran on a CPU or waited
+    in a run queue for one so far (the kernel's ``schedstat``; none where the kernel keeps
+    none)."""
+    spun, wanted = 0, {}
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return {}
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as fh:
-                ran, waited = fh.read().split()[:2]
-            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as fh:
-                thread = fh.read().decode(errors="replace").strip()
-        except (OSError, ValueError):
-            continue
-        if thread not in SPINNERS:
-            out[f"{pid}/{tid}"] = int(ran) + int(waited)
-    return out
-
-
-def _spun(pid: str) -> int:
-    """The clock ticks the :data:`SPINNERS` threads of process ``pid`` used so far."""
-    ticks = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
+        return 0, {}
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
                 stat = fh.read().decode(errors="replace")
-        except OSError:
+            if stat[stat.find("(") + 1:stat.rfind(")")] in SPINNERS:
+                fields = stat.rsplit(")", 1)[1].split()
+                spun += int(fields[11]) + int(fields[12])
+                continue
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as fh:
+                ran, waited = fh.read().split()[:2]
+        except (OSError, ValueError, IndexError):
             continue
-        if stat[stat.find("(") + 1:stat.rfind(")")] in SPINNERS:
-            fields = stat.rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks
+        wanted[f"{pid}/{tid}"] = int(ran) + int(waited)
+    return spun, wanted
 
 
 def busy_sessions(sessions: set[int], window: float = 1.5) -> set[int]:

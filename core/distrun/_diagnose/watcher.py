@@ -216,12 +216,9 @@ def _part(group: Any) -> tuple[int, int]:
 
 
 def _unit(group: Any) -> str:
-    """What the index of :func:`_part` counts: ``node``, or ``rank`` where a launcher starts
-    each rank (the words of the lines and folders)."""
-    ranks = getattr(group, "ranks", None)
-    part = getattr(ranks, "part", None)
-    return "rank" if part and tuple(part) != (getattr(ranks, "node_rank", 0),
-                                              getattr(ranks, "nnodes", 1)) else "node"
+    """What the index of :func:`_part` counts (``NodeRanks.unit``): ``node``, or ``rank``
+    where a launcher starts each rank (the words of the lines and folders)."""
+    return str(getattr(getattr(group, "ranks", None), "unit", "node"))
 
 
 def _failing(group: Any) -> bool:

@@ -107,9 +107,15 @@ class NodeRanks:
         node and the nodes, or the rank and the world where a launcher starts one rank (srun's
         tasks, Ray's actors), on one node too. What the groups share among themselves (their
         stall reports, :mod:`distrun._diagnose.exchange`) is keyed by it."""
-        if len(self.local_ranks) == 1 and self.world > self.nnodes:
+        if self.unit == "rank":
             return self.rank_of(self.local_ranks[0]), self.world
         return self.node_rank, self.nnodes
+
+    @property
+    def unit(self) -> str:
+        """What :attr:`part` counts: ``"rank"`` where a launcher starts one rank of several on
+        its node, else ``"node"`` (the words of the stall lines and folders)."""
+        return "rank" if len(self.local_ranks) == 1 and self.world > self.nnodes else "node"
 
     def env(self, local_rank: int, environ: Mapping[str, str],
             extra: Mapping[str, str] | None = None, error_file: str | None = None,
