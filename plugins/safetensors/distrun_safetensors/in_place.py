@@ -221,12 +221,12 @@ class _Registered:
     by address; registering is turned off, in one line, if the driver refuses it."""
 
     def __init__(self) -> None:
-        self._sizes: dict[int, int] = {}
+        self._addresses: set[int] = set()
         self._off = False
 
     def add(self, data: torch.Tensor) -> None:
         ptr = data.data_ptr()
-        if self._off or ptr in self._sizes:
+        if self._off or ptr in self._addresses:
             return
         try:
             cudart = torch.cuda.cudart()
@@ -244,10 +244,11 @@ class _Registered:
             log.warning("checkpoint: the memory tier's files could not be registered with CUDA "
                         "(%s); its saves copy from the GPU at pageable speed", why)
             return
-        self._sizes[ptr] = data.numel()
+        self._addresses.add(ptr)
 
     def drop(self, data: torch.Tensor | None) -> None:
-        if data is not None and self._sizes.pop(data.data_ptr(), None) is not None:
+        if data is not None and data.data_ptr() in self._addresses:
+            self._addresses.discard(data.data_ptr())
             torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
 
 
