@@ -4,16 +4,55 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
 
-__all__ = ["ExitWatch", "exit_code"]
+__all__ = ["ExitWatch", "exit_code", "exiting_code", "signal_note"]
 
 
 def exit_code(returncode: int) -> int:
     """``returncode`` itself, or ``128 + N`` for a process ended by signal N (``-N``)."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+#: /proc/<pid>/stat's flags bit of a process that has begun to exit (the kernel's PF_EXITING)
+_PF_EXITING = 0x4
+
+
+def exiting_code(pid: int) -> int | None:
+    """The return code of child ``pid`` (``-N``: signal N) once it has begun to exit with a
+    failure, before it can be reaped; None while it runs, and for an exit with code 0.
+
+    A process dies before its exit can be reaped: the kernel first frees its memory, 0.1 s
+    for a rank of 1.6 GB here and 0.3 s with the memory tier's 1.2 GB of shared mappings
+    besides, and a launcher that waits for the reap learns of a failure that much later. The
+    kernel shows the code from the start of the exit (``/proc/<pid>/stat``: the flags, field
+    9, and the wait status, field 52). A code of 0 is left to the reap: it is what the field
+    reads in the moment between the flag and the code, and a clean exit needs no hurry.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rpartition(b")")[2].split()  # fields[0] is field 3
+    except OSError:
+        return None
+    if len(fields) < 50 or not int(fields[6]) & _PF_EXITING:
+        return None
+    status = int(fields[49])
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return (status >> 8) & 0xFF or None
+
+
+def signal_note(code: int) -> str:
+    """`` (killed by SIGKILL)`` for the shell's 128 + N exit codes of a signal's death."""
+    if 128 < code < 128 + signal.NSIG:
+        try:
+            return f" (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            return ""
+    return ""
 
 
 class ExitWatch:

@@ -20,7 +20,8 @@ rank needs is built here once:
   them through the ``distrun_node_services`` hook), told of each start and end;
 - where each rank is: a folder (:attr:`WorkerGroup.positions`) in which every rank keeps its
   position record and its stack dumps (:mod:`distrun._diagnose`), read by the stall watcher
-  and ``distrun stacks``.
+  and ``distrun stacks``; the launcher's note there, when it stops the ranks because one
+  failed, lets them stop at once (:mod:`distrun._launch.failure_note`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from typing import IO, Any, cast
 
 from distrun._config.run_config import RunConfig
 from distrun._diagnose.position import POSITIONS_ENV
-from distrun._launch.exits import ExitWatch, exit_code
+from distrun._launch.exits import ExitWatch, exit_code, exiting_code
+from distrun._launch.failure_note import write_note
 from distrun._launch.outputs import WorkerOutputs, worker_outputs
 from distrun._launch.ranks import NodeRanks
 from distrun._launch.relay import LineSink, Relay, SinkRelay, new_tail
@@ -276,11 +278,14 @@ class WorkerGroup:
 
     # -- watch ------------------------------------------------------------------------------
     def poll(self) -> list[int | None]:
-        """Each worker's exit code (``-N``: ended by signal N), None while it runs."""
-        return [w.proc.poll() for w in self.workers]
+        """Each worker's exit code (``-N``: ended by signal N), None while it runs; a worker
+        that has begun to exit with a failure shows its code at once, before it can be
+        reaped (:func:`~distrun._launch.exits.exiting_code`)."""
+        return [_code(w.proc) for w in self.workers]
 
     def alive(self) -> bool:
-        return any(c is None for c in self.poll())
+        """Whether a worker's process is still there (not yet reaped)."""
+        return any(w.proc.poll() is None for w in self.workers)
 
     def failed(self) -> Worker | None:
         """The rank whose failure is the cause, of those that failed so far (None: none).
@@ -289,11 +294,12 @@ class WorkerGroup:
         failure (its first complete traceback, else its streams' end): not a rank that merely
         lost its peer when the cause died.
         """
-        failed = [w for w in self.workers if w.proc.poll() not in (None, 0)]
+        codes = {w.rank: _code(w.proc) for w in self.workers}
+        failed = [w for w in self.workers if codes[w.rank] not in (None, 0)]
         if not failed:
             return None
         at = self.relay.failed_at if self.relay is not None else (lambda rank: 0.0)
-        return min(failed, key=lambda w: (w.proc.returncode in (-9, -15), at(w.rank), w.rank))
+        return min(failed, key=lambda w: (codes[w.rank] in (-9, -15), at(w.rank), w.rank))
 
     def wait(self, poll: float = 0.05) -> tuple[int, Worker | None]:
         """Wait until all exit 0, or one fails (then stop the rest); (exit code, failed one).
@@ -319,7 +325,8 @@ class WorkerGroup:
                 if any(c not in (None, 0) for c in codes):
                     # its relays joined by the stop: when each rank failed is known, and the
                     # cause may still have been in its exit handlers at the poll
-                    self.stop(grace=5.0)
+                    cause = cast(Worker, self.failed())
+                    self.stop_after_failure(cause.rank, cast(int, _code(cause.proc)), grace=5.0)
                     first = cast(Worker, self.failed())
                     return exit_code(first.proc.returncode), first
                 if all(c == 0 for c in codes):
@@ -355,6 +362,15 @@ class WorkerGroup:
         for w in self.workers:
             w.proc.wait()
         self._ended()
+
+    def stop_after_failure(self, rank: int, returncode: int, grace: float) -> None:
+        """Stop the ranks that still run because ``rank`` failed (``returncode``: ``-N`` for
+        signal N): each is told so first (:mod:`distrun._launch.failure_note`), so distrun's
+        loop ends its step at once instead of at the end of a step it cannot finish; SIGKILL
+        after ``grace`` seconds."""
+        if self.positions is not None:
+            write_note(self.positions, rank, exit_code(returncode))
+        self.stop(grace=grace)
 
     def abort(self, reason: str) -> None:
         """End every worker now (SIGKILL: a stuck rank saves nothing), for ``reason`` (said
@@ -424,6 +440,13 @@ def wait_with_signals(group: WorkerGroup) -> int:
     if failed is not None and not received:
         group.report(code, failed)
     return code
+
+
+def _code(proc: Any) -> int | None:
+    """``proc``'s return code, or the code it is exiting with (a failure: see
+    :func:`~distrun._launch.exits.exiting_code`), or None while it runs."""
+    code = proc.poll()
+    return code if code is not None else exiting_code(proc.pid)
 
 
 _POSITIONS_PREFIX = "distrun-positions-"

@@ -23,13 +23,14 @@ import contextlib
 import math
 import os
 import re
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
+
+from distrun._launch.exits import signal_note
 
 __all__ = ["TAIL_LINES", "LineSink", "RankLines", "RankOutput", "Relay", "SinkRelay", "new_tail",
            "report_failure"]
@@ -344,16 +345,6 @@ def _line_ends(buf: str) -> list[int]:
     return [m.end() for m in _PIECE_END.finditer(buf)]
 
 
-def _signal_note(code: int) -> str:
-    """`` (killed by SIGKILL)`` for the shell's 128 + N exit codes of a signal's death."""
-    if 128 < code < 128 + signal.NSIG:
-        try:
-            return f" (killed by {signal.Signals(code - 128).name})"
-        except ValueError:
-            return ""
-    return ""
-
-
 def report_failure(rank: RankLines, code: int, where: str = "",
                    same: Sequence[int] = ()) -> None:
     """Say once, in one line, that ``rank`` failed with exit ``code``.
@@ -374,7 +365,7 @@ def report_failure(rank: RankLines, code: int, where: str = "",
     if last_line.startswith("error: "):
         return
     place = f" ({where})" if where else ""
-    head = f"distrun: rank {rank.rank}{place} failed with exit code {code}{_signal_note(code)}"
+    head = f"distrun: rank {rank.rank}{place} failed with exit code {code}{signal_note(code)}"
     if not getattr(rank, "hidden", False):
         notes = []
         if errors or not has_err_tail:

@@ -25,13 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from distrun._launch.exits import signal_note
+from distrun._launch.failure_note import FailureNote
 from distrun._spec.errors import DistrunError, UsageError, first_line
 from distrun._spec.stash import StashKey
 
 if TYPE_CHECKING:
     from distrun._train.run import Run
 
-__all__ = ["CASES", "TRAINING", "Case", "classify"]
+__all__ = ["CASES", "TRAINING", "Case", "classify", "stopped_for_failure"]
 
 #: set by the trainer once the loop starts: a timeout before that is a rank stuck before
 #: training, not ranks out of step
@@ -185,6 +187,15 @@ def _lost_peer_message(exc: BaseException, run: Run) -> str:
     return (f"rank {run.rank}: a collective failed at step {run.progress.step} because "
             f"another rank stopped (its error is above; --debug shows this rank's traceback): "
             f"{first_line(exc)}")
+
+
+# -- stopped by the launcher: another rank failed ---------------------------------------------
+def stopped_for_failure(run: Run, note: FailureNote) -> DistrunError:
+    """What a rank ends with when its launcher stops it because rank ``note.rank`` failed
+    (:mod:`distrun._launch.failure_note`): raised by its SIGTERM handler, mid-step."""
+    return DistrunError(
+        f"rank {run.rank}: stopped at step {run.progress.step} because rank {note.rank} failed "
+        f"with exit code {note.code}{signal_note(note.code)}")
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -12,12 +12,13 @@ import threading
 from typing import Any, ClassVar, NoReturn, cast
 
 from distrun._config.run_config import CONFIG_ENV, RunConfig, resolve_config
+from distrun._launch.failure_note import read_note
 from distrun._launch.folder_lock import lock_run_folders, release_all, run_key
 from distrun._registry.collect import check_consumed, collect_options
 from distrun._registry.manager import make_plugin_manager
 from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import COMPILE_TIME
-from distrun._train.failures import TRAINING, classify
+from distrun._train.failures import TRAINING, classify, stopped_for_failure
 from distrun._train.run import EXIT_REQUEUE, Run
 from distrun._train.unread_args import warn_unread_argv
 
@@ -213,10 +214,12 @@ class Trainer:
         return self._run
 
     def _stage(self, run: Run, stage: str, ckpt_path: str | None = None) -> None:
-        previous = _install_stop_handlers(run)
+        body = _Body()
+        previous = _install_stop_handlers(run, body)
         pm, config = run.pm, run.config
         failed = True
         try:
+            body.running = True
             run.stage = stage
             if run.strategy is None:
                 from distrun._train.loop import setup_run
@@ -232,15 +235,18 @@ class Trainer:
                     say_compiled(run, stage)  # --compile: its line, unless a fit said it
             failed = False
         except DistrunError as exc:
+            body.running = False
             pm.hook.distrun_on_exception(run=run, exc=exc)
             _exit_on_error(exc, debug=config.debug)
         except BaseException as exc:
+            body.running = False
             pm.hook.distrun_on_exception(run=run, exc=exc)
             error = classify(exc, run)  # a failure torch reports its own way: one line
             if error is not None:
                 _exit_on_error(error, debug=config.debug)
             raise
         finally:
+            body.running = False
             try:
                 pm.hook.distrun_teardown(run=run)  # a stop signal now must not cut it short
             finally:
@@ -306,7 +312,17 @@ def _exit_on_error(exc: DistrunError, debug: bool) -> NoReturn:
     raise SystemExit(exc.exit_code)
 
 
-def _install_stop_handlers(run: Run) -> dict[int, Any]:
+class _Body:
+    """Whether a stage's body runs (not yet its error handling or teardown): the only time a
+    stop signal may raise in it."""
+
+    running = False
+
+
+def _install_stop_handlers(run: Run, body: _Body) -> dict[int, Any]:
+    """SIGTERM, SIGINT, SIGUSR1: a stop at the next step boundary (SIGINT twice: at once).
+    A SIGTERM whose launcher noted that another rank failed ends the step at once: without
+    that rank it cannot finish (:mod:`distrun._launch.failure_note`)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {}
@@ -315,6 +331,11 @@ def _install_stop_handlers(run: Run) -> dict[int, Any]:
         if signum == signal.SIGINT and run.stop_signal is not None:
             raise KeyboardInterrupt
         run.stop_signal = signum
+        if signum == signal.SIGTERM and body.running:
+            note = read_note()
+            if note is not None:
+                body.running = False
+                raise stopped_for_failure(run, note)
 
     for name in _STOP_SIGNALS:
         sig = getattr(signal, name, None)

@@ -9,9 +9,10 @@ starts: every start of a task's workers, and every restart of a script's, forked
 per local rank that has imported torch, unless ``--no-warm-restart``). Three changes a
 subclass of the agent makes:
 
-- when a worker fails, its siblings get :data:`RESTART_GRACE` seconds (not 30) to exit before
-  SIGKILL, since they will be restarted from the checkpoint anyway; a stalled rank (asleep
-  inside a step) is therefore killed promptly;
+- when a worker fails, its siblings are told so and get :data:`RESTART_GRACE` seconds (not
+  30) to exit before SIGKILL, since they will be restarted from the checkpoint anyway
+  (distrun's loop ends its step at once; a stalled rank, asleep inside a step, is killed
+  promptly);
 - a worker that exits with :data:`distrun.plugin.EXIT_REQUEUE` (it saved a preemption checkpoint)
   or with a usage error (2) ends the run instead of being restarted;
 - the first failure's rank and last lines are kept, so it is reported once.
@@ -344,9 +345,11 @@ class DistrunAgent(LocalElasticAgent):
 
         lr, code = root_cause(failed, ranks, secondary)
         self.root_cause = (ranks.get(lr, lr), code)
-        # A requeue exit means a checkpoint was committed: the others are finishing the same.
-        grace = float(self._shutdown_timeout) if code == EXIT_REQUEUE else RESTART_GRACE
-        group.stop(grace=grace)
+        if code == EXIT_REQUEUE:
+            # a checkpoint was committed: the others are finishing the same
+            group.stop(grace=float(self._shutdown_timeout))
+        else:
+            group.stop_after_failure(*self.root_cause, grace=RESTART_GRACE)
 
 
 def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
