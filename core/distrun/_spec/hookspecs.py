@@ -423,6 +423,22 @@ def distrun_save_checkpoint(run: Run, reason: str) -> str | None:
 
 
 @hookspec(firstresult=True)
+def distrun_checkpoint_found(run: Run, source: str) -> bool | None:
+    """Say, before the model is built, whether ``distrun_load_checkpoint(run, source)`` will
+    restore a checkpoint: one exists now.
+
+    Called on every rank after the strategy's setup (the process group exists), for a fit
+    whose ``config.resume`` is not ``never``; the answer must be the same on every rank. True
+    is a promise: the load restores every tensor of the model's ``state_dict`` (a checkpoint
+    that lacks one is refused) or raises. The core then builds the model without its random
+    initialization, which the load would overwrite (:mod:`distrun._train.skip_init`). Stops
+    at the first non-None result.
+
+    :return: True when the load will restore a checkpoint; False or None when it may not.
+    """
+
+
+@hookspec(firstresult=True)
 def distrun_load_checkpoint(run: Run, source: str) -> str | None:
     """Restore model, optimizer and contributed state from a checkpoint; every rank.
 

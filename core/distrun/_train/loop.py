@@ -33,6 +33,7 @@ from distrun._train.optimizers import is_manual
 from distrun._train.rng import seed_everything
 from distrun._train.run import Run
 from distrun._train.schedulers import normalize_schedulers, step_schedulers
+from distrun._train.skip_init import build_model
 from distrun._train.step_sync import NONE, PREEMPT, STEP_SYNC, StepSync
 from distrun._train.tensors import batch_len, to_device
 
@@ -54,7 +55,7 @@ def setup_run(run: Run) -> None:
         return  # a serving rank (RPC parameter server): nothing to build here
     set_deterministic(run)
     seed_everything(run.config.seed)
-    run.model = run.task.configure_model()
+    run.model = build_model(run)  # configure_model(), uninitialized before a load
     if not isinstance(run.model, torch.nn.Module):
         raise UsageError("task.configure_model() must return a torch.nn.Module")
     place_metrics(run.task, run.strategy.device)  # the task's metric objects, as the model

@@ -20,6 +20,7 @@ from distrun._spec.errors import DistrunError, UsageError
 from distrun._spec.keys import COMPILE_TIME
 from distrun._train.failures import TRAINING, classify, stopped_for_failure
 from distrun._train.run import EXIT_REQUEUE, Run
+from distrun._train.skip_init import check_loaded
 from distrun._train.unread_args import warn_unread_argv
 
 __all__ = ["Trainer", "worker_config"]
@@ -261,6 +262,7 @@ class Trainer:
     def _fit(self, run: Run) -> None:
         if run.config.resume != "never" and not run.stash.get(TRAINING):
             run.resumed_from = run.hook.distrun_load_checkpoint(run=run, source=run.config.resume)
+            check_loaded(run)
             if run.resumed_from:
                 log.info("Resumed from %s at step %d", run.resumed_from, run.progress.step)
         run.done = run.stop_requested = False  # a second fit of this session starts afresh

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -114,18 +114,12 @@ def _step_of(folder: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
-            tier: NodeFolder | None = None,
-            holds: Callable[[Checkpoint], str | None] | None = None) -> Checkpoint | None:
-    """The first valid folder of ``source``. ``holds``: what a node's folder of the tier does
-    not hold of this rank's tensors (a part, or a view whose other part is missing: the node
-    that held it was lost before its copy of that step arrived); such a folder is skipped
-    for the next, as a damaged one is."""
-    rank, world = comm.rank_world()
-    if source == BEST:
-        source, pointer = LATEST, BEST
+def _plan(source: str, ckpt_dir: str, pointer: str,
+          tier: NodeFolder | None) -> tuple[list[str], bool, list[str]]:
+    """:func:`resolve_source` on rank 0, with the memory tier's folders merged in, for every
+    rank (every rank calls this together)."""
     plan: Any = None
-    if rank == 0:
+    if comm.rank_world()[0] == 0:
         try:
             plan = resolve_source(source, ckpt_dir, pointer)
             if tier is not None and source in ("auto", "latest") and pointer == LATEST:
@@ -138,7 +132,33 @@ def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
     plan = comm.broadcast(plan)
     if isinstance(plan, str):
         raise CheckpointError(plan)
-    folders, explicit, notes = plan
+    return cast(tuple[list[str], bool, list[str]], plan)
+
+
+def checkpoint_found(source: str, ckpt_dir: str, pointer: str = LATEST,
+                     tier: NodeFolder | None = None) -> bool:
+    """Whether :func:`load` of the same arguments will restore a checkpoint (it restores one
+    of the folders it tries, or raises), the same answer on every rank; checks nothing of
+    the folders themselves (the load does)."""
+    if source == BEST:
+        source, pointer = LATEST, BEST
+    try:
+        return bool(_plan(source, ckpt_dir, pointer, tier)[0])
+    except CheckpointError:
+        return False  # the load says it
+
+
+def _choose(source: str, ckpt_dir: str, verify: bool, pointer: str = LATEST,
+            tier: NodeFolder | None = None,
+            holds: Callable[[Checkpoint], str | None] | None = None) -> Checkpoint | None:
+    """The first valid folder of ``source``. ``holds``: what a node's folder of the tier does
+    not hold of this rank's tensors (a part, or a view whose other part is missing: the node
+    that held it was lost before its copy of that step arrived); such a folder is skipped
+    for the next, as a damaged one is."""
+    rank, world = comm.rank_world()
+    if source == BEST:
+        source, pointer = LATEST, BEST
+    folders, explicit, notes = _plan(source, ckpt_dir, pointer, tier)
     for note in notes:
         if rank == 0:
             log.warning("checkpoint: %s; looking for the %s valid checkpoint", note,

@@ -21,6 +21,8 @@ _UNSHARED: StashKey[str] = StashKey("safetensors.unshared")
 #: whether the checkpoint folder holds another run's checkpoints this run does not continue:
 #: "" no, else the one line a save fails with
 _FOREIGN: StashKey[str] = StashKey("safetensors.foreign")
+#: the memory tier's folder distrun_checkpoint_found looked in, for the load right after it
+_RESUME_TIER: StashKey[Any] = StashKey("safetensors.resume_tier")
 
 
 @hookimpl
@@ -196,11 +198,37 @@ def distrun_save_checkpoint(run, reason):
     return path
 
 
+def _resume_from(run: Any) -> tuple[str, Any]:
+    """The pointer a resume follows and the memory tier's folder that competes with the
+    checkpoint folder (None: none), the tier's found once for both hooks below (every rank
+    calls this together)."""
+    from distrun_safetensors.memory_tier import tier_dir
+    from distrun_safetensors.tier_nodes import node_tier
+
+    pointer = "best" if _opts(run).ckpt_resume_best else "latest"
+    tier = run.stash.pop(_RESUME_TIER, None)
+    if tier is None:
+        # the memory tier's checkpoints compete with the disk's: the newest committed step wins
+        tier = node_tier(run, tier_dir()) \
+            if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps else None
+    return pointer, tier
+
+
+@hookimpl
+def distrun_checkpoint_found(run, source):
+    from distrun_safetensors.load import checkpoint_found
+
+    if run.stage == "fit":
+        _check_storage(run)
+    pointer, tier = _resume_from(run)
+    run.stash[_RESUME_TIER] = tier
+    return checkpoint_found(source, ckpt_dir(run), pointer, tier)
+
+
 @hookimpl
 def distrun_load_checkpoint(run, source):
     from distrun_safetensors.load import load
     from distrun_safetensors.memory_tier import note_resume, tier_dir, wait_for_memory_save
-    from distrun_safetensors.tier_nodes import node_tier
 
     saver = run.stash.get(_KEY)
     if saver is not None:
@@ -208,10 +236,7 @@ def distrun_load_checkpoint(run, source):
     wait_for_memory_save(run)
     if run.stage == "fit":
         _check_storage(run)
-    pointer = "best" if _opts(run).ckpt_resume_best else "latest"
-    # the memory tier's checkpoints compete with the disk's: the newest committed step wins
-    tier = node_tier(run, tier_dir()) if pointer == "latest" and _opts(run).ckpt_memory_every_n_steps \
-        else None
+    pointer, tier = _resume_from(run)
     result = load(source, run.unwrapped_model(), run.optimizer, ckpt_dir=ckpt_dir(run),
                   verify=_opts(run).ckpt_verify, pointer=pointer, tier=tier)
     if result is None:

@@ -107,3 +107,95 @@ def test_time_cadence_and_on_demand_save_in_one_process(tmp_path):
     assert sorted(os.listdir(ckpts)) == [".generation", "latest", "step-1", "step-2", "step-3"]
     # on demand at a step already saved: the committed folder, not a second write
     assert run.save_checkpoint("user") == str(ckpts / "step-3")
+
+
+class _Marked(Task):
+    """Draws one number right after building the model: the seed's first draw when the build's
+    random initialization was skipped (a resume), another one when it ran."""
+
+    random_buffer = False
+
+    def configure_model(self):
+        model = super().configure_model()
+        if self.random_buffer:  # drawn at random, used by the steps, not in the state_dict
+            model.register_buffer("mix", torch.empty(6).normal_(), persistent=False)
+        self.after_build = torch.rand(1).item()
+        return model
+
+    def training_step(self, model, batch):
+        x, y = batch
+        if self.random_buffer:
+            x = x * model.mix
+        return torch.nn.functional.mse_loss(model(x), y)
+
+
+def rank_skipped_init(rank, world, root, random_buffer):
+    from distrun import Trainer
+
+    def fit(name, **options):
+        task = _Marked()
+        task.random_buffer = random_buffer
+        run = Trainer(plugins=(st_plugin,), **{**COMMON, **options},
+                      run_dir=f"{root}/{name}").fit(task)
+        return run, task
+
+    whole, whole_task = fit("whole", max_steps=10)
+    _, first_task = fit("cut", max_steps=4, ckpt_save_on_end=True)
+    resumed, resumed_task = fit("cut", max_steps=10, resume="latest")
+    torch.manual_seed(COMMON["seed"])
+    seeded = torch.rand(1).item()
+    buffers = {n: dict(r.unwrapped_model().named_buffers()).get("mix", torch.empty(0)).clone()
+               for n, r in (("whole", whole), ("resumed", resumed))}
+    return {"whole": _weights(whole), "resumed": _weights(resumed), "buffers": buffers,
+            "skipped": {"whole": whole_task.after_build == seeded,
+                        "first": first_task.after_build == seeded,
+                        "resumed": resumed_task.after_build == seeded},
+            "resumed_from": resumed.resumed_from}
+
+
+def test_a_resume_builds_the_model_without_its_random_init_and_ends_bit_identical(tmp_path):
+    # the checkpoint overwrites every tensor of the model's state: its random draws are skipped
+    results = run_on_ranks(rank_skipped_init, 2, str(tmp_path), False, init_process_group=True,
+                           timeout=240)
+    for rank, r in enumerate(results):
+        assert r["resumed_from"].endswith(os.path.join("cut", "checkpoints", "step-4")), r
+        assert r["skipped"] == {"whole": False, "first": False, "resumed": True}, (rank, r)
+        for k, v in r["whole"].items():
+            assert torch.equal(v, r["resumed"][k]), f"rank {rank}: {k} differs after resume"
+
+
+def test_a_random_buffer_the_checkpoint_lacks_makes_a_resume_initialize_the_model(tmp_path):
+    # the buffer `mix` is drawn in configure_model and not saved: skipping its draw would leave
+    # uninitialized memory, so the model is built again the ordinary way (the same draws)
+    results = run_on_ranks(rank_skipped_init, 2, str(tmp_path), True, init_process_group=True,
+                           timeout=240)
+    for rank, r in enumerate(results):
+        assert r["skipped"] == {"whole": False, "first": False, "resumed": False}, (rank, r)
+        assert torch.equal(r["buffers"]["whole"], r["buffers"]["resumed"]), rank
+        assert r["buffers"]["whole"].numel() == 6
+        for k, v in r["whole"].items():
+            assert torch.equal(v, r["resumed"][k]), f"rank {rank}: {k} differs after resume"
+
+
+class _Promises:
+    """A checkpoint plugin that says a checkpoint will be loaded, and loads none."""
+
+    @staticmethod
+    @__import__("distrun").hookimpl
+    def distrun_checkpoint_found(run, source):
+        return True
+
+
+def test_a_promised_load_that_loads_nothing_is_an_error_not_a_fresh_start(tmp_path, capsys):
+    from distrun import Trainer
+
+    trainer = Trainer(plugins=(st_plugin, _Promises()), **{**COMMON, "strategy": "single"},
+                      run_dir=str(tmp_path / "r"), max_steps=2, resume="auto")
+    try:
+        trainer.fit(Task())
+    except SystemExit as exc:
+        assert exc.code == 1
+    else:
+        raise AssertionError("the fit went on from an uninitialized model")
+    assert "its load restored none, so the model holds uninitialized memory" in \
+        capsys.readouterr().err
