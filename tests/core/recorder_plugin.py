@@ -181,6 +181,11 @@ def distrun_save_checkpoint(run, reason):
 
 
 @hookimpl
+def distrun_checkpoint_found(run, source):
+    _record("distrun_checkpoint_found", source=source)
+
+
+@hookimpl
 def distrun_load_checkpoint(run, source):
     _record("distrun_load_checkpoint", source=source)
     # Round-trip this rank's contributed state through the load hook, as a loader would.

@@ -88,7 +88,7 @@ def test_hooks_fire_in_documented_order(recorded):
     # Query hooks, asked wherever a config is resolved or a layout read, are not phases.
     seq = squeeze([h for h in worker if h not in QUERIES])
     expected_setup = ["register_options", "configure", "register_strategies", "setup_strategy",
-                      "setup_model", "setup_optimizer", "setup_data", "load_checkpoint",
+                      "checkpoint_found", "setup_model", "setup_optimizer", "setup_data", "load_checkpoint",
                       "state_dict", "load_state_dict", "on_fit_start",
                       "run_validation",  # the sanity pass (num_sanity_val_steps)
                       "run_fit", "run_epoch"]
@@ -111,6 +111,8 @@ def test_hooks_fire_in_documented_order(recorded):
     # Plain setup_model implementations see the user's module, before any strategy wrap.
     assert [r["type"] for r in recs if r["hook"] == "distrun_setup_model"] == ["Sequential"]
     assert [r["source"] for r in recs if r["hook"] == "distrun_load_checkpoint"] == ["auto"]
+    # asked before the model is built: the recorder's answer (None) leaves its init as it is
+    assert [r["source"] for r in recs if r["hook"] == "distrun_checkpoint_found"] == ["auto"]
     names = next(r["names"] for r in recs if r["hook"] == "distrun_load_state_dict")
     assert {"progress", "rng", "sampler", "recorder"} <= set(names)
 

@@ -56,3 +56,45 @@ def test_a_node_service_sees_each_attempt_of_an_elastic_restart(tmp_path):
     assert done["codes"] == [0, 0], done
     assert set(first["pids"]).isdisjoint(second["pids"]), events  # new processes
     assert first["launcher"] == second["launcher"], events  # one agent, told of both
+
+
+def test_a_process_that_began_to_exit_shows_its_code_before_it_can_be_reaped():
+    # what a launcher reads of a worker that has begun to exit (exiting_code): the kernel frees
+    # a big process's memory before the exit can be reaped, and the code is there from the
+    # start. Never reaped here before the reads, so each read is of the dying or dead process.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from distrun._launch.exits import exiting_code
+
+    def child(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    killed = child("import time; b = bytearray(200 << 20); time.sleep(60)")
+    exits_3 = child("import os; os._exit(3)")
+    clean = child("pass")
+    requeue = child("import os; os._exit(143)")
+    running = child("import time; time.sleep(60)")
+    try:
+        time.sleep(0.5)
+        killed.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while exiting_code(exits_3.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while exiting_code(killed.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exiting_code(killed.pid) == -9
+        assert exiting_code(exits_3.pid) == 3
+        time.sleep(0.5)  # the agreed exits are done by now: their codes are left to the reap
+        assert exiting_code(clean.pid) is None
+        assert exiting_code(requeue.pid) is None  # a saved stop the ranks agreed on
+        assert exiting_code(running.pid) is None
+        # and the reap agrees
+        assert killed.wait() == -9 and exits_3.wait() == 3 and clean.wait() == 0
+        assert requeue.wait() == 143
+    finally:
+        for p in (killed, exits_3, clean, requeue, running):
+            p.kill()
+            p.wait()

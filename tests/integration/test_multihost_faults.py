@@ -250,8 +250,8 @@ def test_hosts_start_in_any_order_and_a_late_one_joins(distrun_hosts, tmp_path):
     nodes.append(Node(bed[1], tmp_path, rec, args, "host1"))
     _wait_for(lambda: (ckpts / "step-4").is_dir(), "the checkpoint of step 4", nodes)
     nodes.append(Node(bed[2], tmp_path, rec, args, "host2"))
-    for node in nodes:
-        assert node.wait() == 0, node.output()
+    codes = [node.wait() for node in nodes]
+    assert codes == [0, 0, 0], "\n=====\n".join(n.output() for n in nodes)
     out = nodes[0].output()
     assert "re-formed at 3 ranks on 3 hosts" in out, out
     worlds = [e["world"] for e in records(rec, "events.jsonl") if e["rank"] == 0]

@@ -9,6 +9,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from distrun._spec.errors import EXIT_REQUEUE
+
 __all__ = ["ExitWatch", "exit_code", "exiting_code", "signal_note"]
 
 
@@ -23,14 +25,16 @@ _PF_EXITING = 0x4
 
 def exiting_code(pid: int) -> int | None:
     """The return code of child ``pid`` (``-N``: signal N) once it has begun to exit with a
-    failure, before it can be reaped; None while it runs, and for an exit with code 0.
+    failure, before it can be reaped; None while it runs, and for an exit the ranks agreed on
+    (0, or :data:`~distrun._spec.errors.EXIT_REQUEUE` after a saved stop).
 
     A process dies before its exit can be reaped: the kernel first frees its memory, 0.1 s
     for a rank of 1.6 GB here and 0.3 s with the memory tier's 1.2 GB of shared mappings
     besides, and a launcher that waits for the reap learns of a failure that much later. The
     kernel shows the code from the start of the exit (``/proc/<pid>/stat``: the flags, field
-    9, and the wait status, field 52). A code of 0 is left to the reap: it is what the field
-    reads in the moment between the flag and the code, and a clean exit needs no hurry.
+    9, and the wait status, field 52). An agreed exit is left to the reap: every rank makes
+    that stop at the same step boundary, so an early look gains nothing; 0 is also what the
+    field reads in the moment between the flag and the code.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -42,7 +46,8 @@ def exiting_code(pid: int) -> int | None:
     status = int(fields[49])
     if status & 0x7F:
         return -(status & 0x7F)
-    return (status >> 8) & 0xFF or None
+    code = (status >> 8) & 0xFF
+    return None if code in (0, EXIT_REQUEUE) else code
 
 
 def signal_note(code: int) -> str:

@@ -23,7 +23,7 @@ worker groups ask ``config.node_services()``). In each
 worker (``register_backends`` when the strategy makes its process group)::
 
     register_options -> configure -> register_strategies -> [register_backends]
-    -> setup_strategy -> setup_model
+    -> setup_strategy -> [checkpoint_found] -> setup_model
     -> setup_optimizer -> setup_data -> [load_checkpoint -> load_state_dict]
     -> on_fit_start -> run_fit(
          run_epoch( (training_step -> backward) x grad_accum -> optimizer_step

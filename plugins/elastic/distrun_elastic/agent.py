@@ -25,6 +25,7 @@ nodes, worker rank 0 hosts it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import shutil
@@ -57,6 +58,12 @@ __all__ = ["CutOff", "DistrunAgent", "root_cause"]
 _TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent).parameters
 
 _USAGE_ERROR = 2
+#: what an agent sets in its round's store before it stops a healthy group to take in waiting
+#: nodes: the other nodes' workers stop at the same step boundary (exit 143, the stop vote),
+#: and their agents re-form too rather than take it for a requeue. The count of waiting nodes
+#: alone raced: the agent that re-formed first had taken them in already (the late-join test,
+#: 3 failures in 10 under load once a restart got faster).
+_RE_FORMING = "distrun.re-forming"
 #: signals the launcher forwards to the workers (SIGUSR1: SLURM's --signal warning)
 _FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 #: phrases of a rank that failed because a peer died first (not the root cause)
@@ -67,6 +74,18 @@ _SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken p
 _WAKE = signal.SIGUSR2
 #: seconds the main thread gets to unwind after that signal before the process ends without it
 UNWIND_GRACE = 2.0
+
+
+def _re_forming(worker_group: Any) -> bool:
+    """Whether this round's nodes re-form to take in waiting nodes: some wait, or an agent
+    said it re-forms (:data:`_RE_FORMING`; by the time a node's workers stopped with its own,
+    that agent may have taken the waiting nodes in already)."""
+    if _nodes_waiting(worker_group) > 0:
+        return True
+    try:
+        return bool(worker_group.store.check([_RE_FORMING]))
+    except Exception:  # noqa: BLE001 - a store that is gone: no re-form to join
+        return False
 
 
 def _nodes_waiting(worker_group: Any) -> int:
@@ -196,6 +215,12 @@ class DistrunAgent(LocalElasticAgent):
             self.liveness.stop()
             self.liveness = None
 
+    def _restart_workers(self, worker_group: Any) -> None:
+        if self.root_cause is None:  # a healthy group: re-formed to take in waiting nodes
+            with contextlib.suppress(Exception):  # a store that is gone: nobody to tell
+                worker_group.store.set(_RE_FORMING, "1")
+        super()._restart_workers(worker_group)
+
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         self.root_cause = None
         self.lost_peers = []
@@ -261,12 +286,13 @@ class DistrunAgent(LocalElasticAgent):
         result = self._result(codes)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self.root_cause and self.root_cause[1] == EXIT_REQUEUE and \
-                _nodes_waiting(worker_group) > 0:
+                _re_forming(worker_group):
             # Not a stop of this run: a node joins, another node's agent stopped its workers
             # to re-form first, and ours stopped with them at the step boundary (the stop vote),
-            # saving that step. Torch's loop re-forms for the waiting node next, as it would
-            # have from a healthy group, and spends no restart.
+            # saving that step. This node re-forms too, as torch's loop does for a waiting
+            # node from a healthy group, and spends no restart.
             self.root_cause = None
+            self._restart_workers(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         if failed and self.root_cause:
             rank, code = self.root_cause
