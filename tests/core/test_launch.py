@@ -15,6 +15,8 @@ import pytest
 from distrun._launch.lifeline import die_with_parent
 from distrun.testing import run_cli, small_disk
 
+HERE = Path(__file__).resolve().parent
+
 TORCHRUN_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -108,47 +110,13 @@ def test_a_rank_killed_by_a_signal_is_said_so(tmp_path):
         "(its output is above)"), result
 
 
-MIDSTEP_TASK = """
-import os, signal, time
-import torch
-from torch import nn
-import distrun
-
-
-class MidStep(distrun.Task):
-    '''Rank 1 dies at the start of step 3, while rank 0 works through a long step 3.'''
-
-    def configure_model(self):
-        return nn.Linear(4, 1)
-
-    def configure_optimizer(self, params):
-        return torch.optim.SGD(params, lr=0.1)
-
-    def train_data(self):
-        gen = torch.Generator().manual_seed(0)
-        return torch.utils.data.TensorDataset(torch.randn(64, 4, generator=gen),
-                                              torch.randn(64, 1, generator=gen))
-
-    def training_step(self, model, batch):
-        x, y = batch
-        if self.global_step == 2:
-            if os.environ["RANK"] == "1":
-                os.kill(os.getpid(), signal.SIGKILL)
-            end = time.monotonic() + 40  # longer than the launcher's 5 s grace before SIGKILL
-            while time.monotonic() < end:
-                time.sleep(0.05)
-            open("rank0-finished-its-step", "w").close()
-        return nn.functional.mse_loss(model(x), y)
-"""
-
-
 def test_a_rank_whose_peer_failed_stops_mid_step_and_names_the_rank_that_failed(tmp_path):
     # The launcher notes that rank 1 failed before it stops rank 0: rank 0 does not work
     # through the step it cannot finish (nor is it killed after the grace with no word); it
     # ends at once, through its error path, with one line naming the rank that failed.
-    (tmp_path / "midstep.py").write_text(MIDSTEP_TASK)
     result = run_cli("run", "--nproc-per-node", "2", "--batch-size", "8", "--max-steps", "6",
-                     "--no-summary", "midstep.py:MidStep", cwd=tmp_path, timeout=120)
+                     "--no-summary", f"{HERE / 'midstep_task.py'}:MidStep", cwd=tmp_path,
+                     timeout=120)
     assert result.returncode != 0, result
     assert "error: rank 0: stopped at step 2 because rank 1 failed with exit code 137 " \
         "(killed by SIGKILL)" in result.stderr.splitlines(), result.stderr

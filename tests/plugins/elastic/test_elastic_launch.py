@@ -179,50 +179,14 @@ def test_a_failing_rank_is_reported_once_with_its_last_lines(tmp_path):
     assert err.count("attempt 1: step 3 went wrong") == 1, result
 
 
-MIDSTEP_TASK = """
-import os, signal, time
-import torch
-from torch import nn
-import distrun
-
-
-class MidStep(distrun.Task):
-    '''In the first attempt rank 1 dies at the start of step 3, while rank 0 works through
-    a long step 3; the restarted attempt trains to the end.'''
-
-    def configure_model(self):
-        return nn.Linear(4, 1)
-
-    def configure_optimizer(self, params):
-        return torch.optim.SGD(params, lr=0.1)
-
-    def train_data(self):  # (the sample indexes last, as elastic_faults records them)
-        gen = torch.Generator().manual_seed(0)
-        return torch.utils.data.TensorDataset(torch.randn(64, 4, generator=gen),
-                                              torch.randn(64, 1, generator=gen),
-                                              torch.arange(64))
-
-    def training_step(self, model, batch):
-        x, y, _ = batch
-        if self.global_step == 2 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-            if os.environ["RANK"] == "1":
-                os.kill(os.getpid(), signal.SIGKILL)
-            end = time.monotonic() + 40  # longer than the agent's grace before SIGKILL
-            while time.monotonic() < end:
-                time.sleep(0.05)
-            open("rank0-finished-its-step", "w").close()
-        return nn.functional.mse_loss(model(x), y)
-"""
-
-
 @pytest.mark.slow
 def test_a_restart_stops_the_survivors_mid_step_and_names_the_rank_that_failed(tmp_path):
     # The agent tells rank 0 that rank 1 failed before it stops it: rank 0 ends its step at
     # once (not after the grace, killed with no word), and the restarted attempt trains on.
-    (tmp_path / "midstep.py").write_text(MIDSTEP_TASK)
+    task = HERE.parents[1] / "core" / "midstep_task.py"
     result = run_cli("run", "--max-restarts", "1", "--nproc-per-node", "2", "--batch-size", "8",
                      "--strategy", "gradsum", "--max-steps", "6", "--no-summary",
-                     "midstep.py:MidStep", cwd=tmp_path, env=plugin_env(tmp_path / "rec"),
+                     f"{task}:MidStep", cwd=tmp_path, env=plugin_env(tmp_path / "rec"),
                      timeout=180)
     assert result.returncode == 0, result
     err = result.stderr.splitlines()
