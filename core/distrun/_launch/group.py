@@ -374,8 +374,13 @@ class WorkerGroup:
 
     def abort(self, reason: str) -> None:
         """End every worker now (SIGKILL: a stuck rank saves nothing), for ``reason`` (said
-        already): the wait returns as for a failure, and :attr:`aborted` says why."""
+        already): the wait returns as for a failure, and :attr:`aborted` says why.
+
+        Every worker is stopped (SIGSTOP) before any is killed: killed one by one, a rank
+        killed last could see a peer's death first and print its traceback after the line
+        that said why (the launcher's thread can lose the GIL between two kills)."""
         self.aborted = reason
+        self.signal_all(signal.SIGSTOP)
         self.signal_all(signal.SIGKILL)
 
     def report(self, code: int, failed: Worker, where: str = "") -> None:

@@ -337,6 +337,8 @@ def _install_stop_handlers(run: Run, body: _Body) -> dict[int, Any]:
             note = read_note()
             if note is not None:
                 body.running = False
+                if note.code == UsageError.exit_code:
+                    raise SystemExit(note.code)  # the other rank's one line says it all
                 raise stopped_for_failure(run, note)
 
     for name in _STOP_SIGNALS:
