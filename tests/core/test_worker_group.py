@@ -98,3 +98,117 @@ def test_a_process_that_began_to_exit_shows_its_code_before_it_can_be_reaped():
         for p in (killed, exits_3, clean, requeue, running):
             p.kill()
             p.wait()
+
+
+def test_a_process_has_begun_to_exit_only_once_every_thread_has():
+    # has_begun_exit: what a stop that does not wait for the reap waits for. A main thread
+    # that ends by itself (pthread_exit) leaves the process running on its other thread.
+    import subprocess
+    import sys
+    import time
+
+    from distrun._launch.exits import has_begun_exit
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(0)"])
+    lone_thread = subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(4,)).start()\n"
+        "time.sleep(0.3)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n")])
+    try:
+        deadline = time.monotonic() + 30
+        while not has_begun_exit(exited.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert has_begun_exit(exited.pid)  # never reaped yet: a zombie
+        time.sleep(1.0)  # the main thread has ended by now, the other sleeps on
+        with open(f"/proc/{lone_thread.pid}/stat") as fh:
+            assert fh.read().rpartition(")")[2].split()[0] == "Z"  # what /proc shows of it
+        assert not has_begun_exit(lone_thread.pid)
+        assert not has_begun_exit(running.pid)
+        assert lone_thread.wait(timeout=30) == 0 and exited.wait() == 0
+    finally:
+        for p in (running, exited, lone_thread):
+            p.kill()
+            p.wait()
+
+
+def test_a_process_that_holds_a_device_file_open_is_seen_to():
+    import subprocess
+    import sys
+
+    from distrun._launch.exits import holds_device
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            stdin=subprocess.DEVNULL)
+    try:
+        assert holds_device(proc.pid, ("/dev/null",))  # its stdin
+        assert not holds_device(proc.pid)  # no GPU here: none of the devices' files
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_STOPPING = """
+import os, signal, sys, time
+def stop(signum, frame):
+    print(f"rank {os.environ['RANK']} stops", flush=True)
+    print(f"rank {os.environ['RANK']} says why", file=sys.stderr, flush=True)
+    big = bytearray(300 << 20)  # (pages to free: an exit the kernel takes a while to end)
+    for i in range(0, len(big), 4096):
+        big[i] = 1
+    os._exit(1)
+signal.signal(signal.SIGTERM, stop)
+print(f"rank {os.environ['RANK']} started", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stop_that_does_not_reap_returns_once_every_worker_began_to_exit(tmp_path, capfd):
+    # What the elastic agent's restart uses: the new workers need not wait for the kernel to
+    # free the old ones' memory. All they wrote is out before the stop returns, the services
+    # are told then, and the reap (logs closed, records removed) follows in the background.
+    import sys
+    import time
+
+    from distrun._launch.exits import has_begun_exit
+    from distrun._launch.ports import free_port
+    from distrun._launch.ranks import NodeRanks
+    from distrun.plugin import WorkerGroup
+
+    script = tmp_path / "stopping.py"
+    script.write_text(_STOPPING)
+    told: list[tuple[str, list]] = []
+
+    class Service:
+        def started(self, group):
+            told.append(("started", group.poll()))
+
+        def ended(self, group):
+            told.append(("ended", [has_begun_exit(w.proc.pid) for w in group.workers]))
+
+    ranks = NodeRanks(nproc=2, master_addr="127.0.0.1", master_port=free_port("127.0.0.1"),
+                      run_id="stop-test")
+    group = WorkerGroup([sys.executable, str(script)], ranks, log_dir=str(tmp_path / "logs"),
+                        services=[Service()]).start()
+    positions = group.positions
+    try:
+        deadline = time.monotonic() + 60
+        while capfd.readouterr().out.count("started") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (both handlers installed)
+        group.stop(grace=30.0, reap=False)
+        print("after the stop", flush=True)
+        assert all(has_begun_exit(w.proc.pid) for w in group.workers)
+        assert told == [("started", [None, None]), ("ended", [True, True])], told
+        group.finish(timeout=60)
+        assert [w.proc.returncode for w in group.workers] == [1, 1]
+        assert positions is not None and not os.path.exists(positions)
+        assert all(w.log is None and not w.threads for w in group.workers)
+        out, err = capfd.readouterr()
+        assert out.index("rank 0 stops") < out.index("after the stop"), out
+        assert out.index("rank 1 stops") < out.index("after the stop"), out
+        assert "rank 0 says why" in err and "rank 1 says why" in err, err
+        logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+        assert "rank 1 stops" in (tmp_path / "logs" / logs[1]).read_text(), logs
+    finally:
+        group.close()

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from distrun._spec.errors import EXIT_REQUEUE
 
-__all__ = ["ExitWatch", "exit_code", "exiting_code", "signal_note"]
+__all__ = ["DEVICE_FILES", "ExitWatch", "exit_code", "exiting_code", "has_begun_exit",
+           "holds_device", "signal_note"]
 
 
 def exit_code(returncode: int) -> int:
@@ -36,18 +37,68 @@ def exiting_code(pid: int) -> int | None:
     that stop at the same step boundary, so an early look gains nothing; 0 is also what the
     field reads in the moment between the flag and the code.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rpartition(b")")[2].split()  # fields[0] is field 3
-    except OSError:
-        return None
-    if len(fields) < 50 or not int(fields[6]) & _PF_EXITING:
+    fields = _stat(f"/proc/{pid}/stat")
+    if fields is None or len(fields) < 50 or not int(fields[6]) & _PF_EXITING:
         return None
     status = int(fields[49])
     if status & 0x7F:
         return -(status & 0x7F)
     code = (status >> 8) & 0xFF
     return None if code in (0, EXIT_REQUEUE) else code
+
+
+def _stat(path: str) -> list[bytes] | None:
+    """The fields of a ``/proc/.../stat`` file from field 3 on (after the command's name,
+    which may hold spaces); None: it is gone."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def has_begun_exit(pid: int) -> bool:
+    """True once every thread of child ``pid`` has begun to exit (or it is gone): none can run
+    the program again, whatever the kernel still has to free before the exit can be reaped.
+
+    Every thread is looked at, not only the first: a main thread that ends by itself leaves
+    the others running (only an exit of the whole process ends them all)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in threads:
+        fields = _stat(f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None and len(fields) > 6 and not int(fields[6]) & _PF_EXITING:
+            return False
+    return True
+
+
+#: where a device's memory is mapped from: NVIDIA's and AMD's GPUs, DRM render nodes, the
+#: kernel's accelerators, AWS Neuron and Ascend devices
+DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel/", "/dev/neuron",
+                "/dev/davinci")
+
+
+def holds_device(pid: int, devices: Sequence[str] = DEVICE_FILES) -> bool:
+    """Whether process ``pid`` has one of ``devices`` open (a prefix of the file's path).
+
+    The driver frees what a process holds on its device (a GPU's memory) when the file is
+    closed, late in the process's exit, after its memory: a new worker on that device starts
+    only once the old one's exit is complete."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(folder)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(folder, fd))
+        except OSError:
+            continue
+        if target.startswith(tuple(devices)):
+            return True
+    return False
 
 
 def signal_note(code: int) -> str:

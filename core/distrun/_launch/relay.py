@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import re
+import select
 import sys
 import threading
 import time
@@ -32,8 +33,8 @@ from typing import IO, Protocol
 
 from distrun._launch.exits import signal_note
 
-__all__ = ["TAIL_LINES", "LineSink", "RankLines", "RankOutput", "Relay", "SinkRelay", "new_tail",
-           "report_failure"]
+__all__ = ["TAIL_LINES", "LineSink", "PipeReader", "RankLines", "RankOutput", "Relay", "SinkRelay",
+           "new_tail", "report_failure"]
 
 #: lines of a rank kept for its failure report
 TAIL_LINES = 20
@@ -288,23 +289,10 @@ class Relay:
             ranks.append(rank.rank)
         return block if first else []
 
-    def pipe(self, rank: RankLines, src: IO[bytes], dst: IO[str]) -> threading.Thread:
+    def pipe(self, rank: RankLines, src: IO[bytes], dst: IO[str]) -> PipeReader:
         """Relay everything the pipe ``src`` (bytes) carries in a daemon thread, as it
         comes, until it closes. The pipe is always drained: a worker never blocks on it."""
-
-        def run() -> None:
-            read = getattr(src, "read1", src.read)
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            while True:
-                chunk = read(_CHUNK)
-                self._guarded(rank, decoder.decode(chunk, final=not chunk), dst)
-                if not chunk:
-                    break
-            self._ended[(rank.rank, id(dst))] = time.monotonic()
-            self._guarded(rank, None, dst)
-            src.close()
-
-        thread = threading.Thread(target=run, daemon=True)
+        thread = PipeReader(self, rank, src, dst)
         thread.start()
         return thread
 
@@ -318,6 +306,65 @@ class Relay:
                 self.emit(rank, text, dst)
         except Exception:  # noqa: BLE001 - the output is lost; the worker must not block
             pass
+
+
+class PipeReader(threading.Thread):
+    """The daemon thread that relays one pipe of a worker (:meth:`Relay.pipe`).
+
+    :meth:`drained` says whether all the worker wrote so far has been relayed, before the
+    pipe closes: a process's pipes close late in its exit, after the kernel has freed its
+    memory, and a launcher that goes on once a worker has begun to exit still says its own
+    next line after the worker's last ones."""
+
+    def __init__(self, relay: Relay, rank: RankLines, src: IO[bytes], dst: IO[str]) -> None:
+        super().__init__(daemon=True)
+        self._relay, self._rank, self._src, self._dst = relay, rank, src, dst
+        #: held from each read until what it read has been relayed
+        self._busy = threading.Lock()
+
+    def run(self) -> None:
+        relay, rank, src, dst = self._relay, self._rank, self._src, self._dst
+        read = getattr(src, "read1", src.read)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            _wait_readable(src)  # (not holding the lock: a worker may write nothing for hours)
+            with self._busy:
+                chunk = read(_CHUNK)
+                relay._guarded(rank, decoder.decode(chunk, final=not chunk), dst)
+            if not chunk:
+                break
+        relay._ended[(rank.rank, id(dst))] = time.monotonic()
+        relay._guarded(rank, None, dst)
+        src.close()
+
+    def drained(self, timeout: float) -> bool:
+        """True when nothing written to the pipe so far is left to relay; False when that is
+        not known within ``timeout`` seconds (a relay held up by a slow console)."""
+        if not self._busy.acquire(timeout=max(0.0, timeout)):
+            return False
+        try:  # data in the pipe is read by the next turn of the loop, once this lock is free
+            return not self.is_alive() or not _readable_now(self._src)
+        finally:
+            self._busy.release()
+
+
+def _wait_readable(src: IO[bytes]) -> None:
+    """Wait until ``src`` has data or is closed at the other end (at once where it is not a
+    file descriptor: its read then waits)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        poller = select.poll()
+        poller.register(src.fileno(), select.POLLIN)
+        poller.poll()
+
+
+def _readable_now(src: IO[bytes]) -> bool:
+    """Whether ``src`` has data to read now (False where it is not a file descriptor)."""
+    try:
+        poller = select.poll()
+        poller.register(src.fileno(), select.POLLIN)
+        return any(event & select.POLLIN for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class SinkRelay(Relay):

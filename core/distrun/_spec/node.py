@@ -21,7 +21,9 @@ class NodeService(Protocol):
     with ``rank``, ``local_rank`` and ``proc.pid``), ``group.ranks`` (the layout),
     ``group.poll()`` (exit codes). Both are called in the launcher process, on the thread that
     starts or stops the workers (the elastic agent stops a cut-off node's from its heartbeat
-    thread): return promptly (start a thread for long work).
+    thread): return promptly (start a thread for long work). The end of a restart's workers is
+    told once each has begun to exit, before the kernel has freed their memory (the next
+    workers start then): a failure's code shows already, a clean exit's (0, 143) reads None.
 
     A service may also define ``worker_env(group) -> Mapping[str, str]``: variables every
     worker of ``group`` starts with (added after the launcher's own), asked at each start

@@ -161,6 +161,10 @@ class DistrunAgent(LocalElasticAgent):
         self.make_warm: Callable[[], Any] | None = None
         self._ending = threading.Lock()
         self._rounds = 0
+        #: a restart is under way: the old workers' stop need not wait for their reap
+        self._restarting = False
+        #: the groups of the earlier attempts (joined at the end: see WorkerGroup.finish)
+        self._earlier: list[WorkerGroup] = []
 
     def _rendezvous(self, worker_group: Any) -> None:
         self.stop_liveness()
@@ -219,7 +223,11 @@ class DistrunAgent(LocalElasticAgent):
         if self.root_cause is None:  # a healthy group: re-formed to take in waiting nodes
             with contextlib.suppress(Exception):  # a store that is gone: nobody to tell
                 worker_group.store.set(_RE_FORMING, "1")
-        super()._restart_workers(worker_group)
+        self._restarting = True  # the stop in it need not wait for the old workers' reap
+        try:
+            super()._restart_workers(worker_group)
+        finally:
+            self._restarting = False
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         self.root_cause = None
@@ -261,6 +269,8 @@ class DistrunAgent(LocalElasticAgent):
         extra = {"TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store)}
         # each attempt's group relays its own output (a restarted group's tracebacks are
         # printed again)
+        if self.group is not None:
+            self._earlier.append(self.group)  # (its workers may still be being reaped)
         self.group = WorkerGroup([spec.entrypoint, *spec.args], ranks, environ=os.environ,
                                  extra_env=extra, log_dir=self.log_dir,
                                  error_dir=self.error_dir, tee=self.plan.tee,
@@ -272,7 +282,11 @@ class DistrunAgent(LocalElasticAgent):
                   timeout: float | None = None) -> None:
         if self.group is not None:
             grace = self._shutdown_timeout if timeout is None else timeout
-            self.group.stop(grace=float(grace), signum=death_sig)
+            self.group.stop(grace=float(grace), signum=death_sig, reap=not self._restarting)
+        if not self._restarting:  # the end: every earlier attempt's workers reaped too
+            for group in self._earlier:
+                group.finish()
+            self._earlier = []
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         if self.liveness is not None:
@@ -375,7 +389,9 @@ class DistrunAgent(LocalElasticAgent):
             # a checkpoint was committed: the others are finishing the same
             group.stop(grace=float(self._shutdown_timeout))
         else:
-            group.stop_after_failure(*self.root_cause, grace=RESTART_GRACE)
+            # a restart follows: it need not wait for the kernel to free the workers' memory
+            restarts = self._remaining_restarts > 0 and code != _USAGE_ERROR
+            group.stop_after_failure(*self.root_cause, grace=RESTART_GRACE, reap=not restarts)
 
 
 def root_cause(failed: list[tuple[int, int]], ranks: dict[int, int],
