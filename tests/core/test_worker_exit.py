@@ -126,3 +126,29 @@ def test_compiled_ddp_run_of_the_digits_example_ends(tmp_path, compile_cache):
     with open(tmp_path / "run" / "metrics.csv") as fh:
         header = fh.readline().strip().split(",")
     assert "compile_s" in header, header
+
+
+#: a worker's exit with torch imported: a handler registered before torch's, so run after
+#: them (newest first), says what torch's handlers left behind
+TORCH_EXIT = """
+import atexit, logging, sys
+atexit.register(lambda: print("tabulate imported at exit:", "tabulate" in sys.modules,
+                              flush=True))
+import torch, torch._dynamo  # (torch's optimizers import dynamo: every worker has)
+if sys.argv[1] == "info":
+    logging.getLogger("torch._dynamo.utils").setLevel(logging.INFO)
+print("tabulate imported:", "tabulate" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize("log", ["off", "info"])
+def test_torchs_exit_work_that_nothing_outlives_is_skipped_and_a_log_asked_for_kept(tmp_path,
+                                                                                   log):
+    # torch._dynamo formats its compile times for a log line at INFO at every exit, importing
+    # tabulate for it (0.02 s of each worker's exit, a restart's survivors' too): skipped while
+    # that log is off, kept when a user turned it on.
+    (tmp_path / "exit.py").write_text(TORCH_EXIT)
+    ours = run_cli("run", "--nproc-per-node", "1", "exit.py", log, cwd=tmp_path, timeout=120)
+    assert ours.returncode == 0, ours
+    assert ours.stdout.splitlines() == [
+        "tabulate imported: False", f"tabulate imported at exit: {log == 'info'}"], ours
