@@ -51,3 +51,34 @@ def test_the_failure_named_is_the_cause_not_a_peer_it_took_down():
     assert root_cause([(0, 1), (1, 1)], ranks, lambda lr: lr == 0) == (1, 1)
     # otherwise the lowest rank
     assert root_cause([(1, 3), (0, 3)], ranks, never) == (0, 3)
+
+
+def test_the_rendezvous_events_keep_their_names_read_from_the_frame():
+    # launch._name_events_from_frames replaces torch's inspect.stack() lookup (0.04 s of a
+    # restart's round) with the frame itself: the same name at every depth it is asked for.
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from distrun_elastic import launch
+
+    torchs = dynamic_rendezvous.get_method_name
+    launch._name_events_from_frames()
+    ours = dynamic_rendezvous.get_method_name
+    try:
+        assert getattr(ours, "distrun_from_frame", False)
+
+        class Handler:
+            def next_rendezvous(self):
+                return self._record()
+
+            def _record(self):
+                names = []
+                for depth in (1, 2, 3, 10_000):  # (a loop: a comprehension is a frame)
+                    names.append((torchs(depth), ours(depth)))
+                return names
+
+        names = Handler().next_rendezvous()
+        assert [t for t, _ in names] == [o for _, o in names], names
+        assert names[0][0] == "_record" and names[1][0] == "next_rendezvous", names
+        assert names[-1][0] == "no_method_name", names
+    finally:
+        dynamic_rendezvous.get_method_name = torchs
