@@ -160,7 +160,7 @@ def stop(signum, frame):
     os._exit(1)
 signal.signal(signal.SIGTERM, stop)
 print(f"rank {os.environ['RANK']} started", flush=True)
-time.sleep(60)
+time.sleep(600)  # (until the test stops it)
 """
 
 
@@ -193,9 +193,11 @@ def test_a_stop_that_does_not_reap_returns_once_every_worker_began_to_exit(tmp_p
                         services=[Service()]).start()
     positions = group.positions
     try:
-        deadline = time.monotonic() + 60
-        while capfd.readouterr().out.count("started") < 2 and time.monotonic() < deadline:
+        deadline, said = time.monotonic() + 60, ""
+        while said.count("started") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)  # (both handlers installed)
+            said += capfd.readouterr().out
+        assert said.count("started") == 2, said
         group.stop(grace=30.0, reap=False)
         print("after the stop", flush=True)
         assert all(has_begun_exit(w.proc.pid) for w in group.workers)
