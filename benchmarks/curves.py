@@ -211,9 +211,9 @@ def _launch(cmd: list[str], cwd: str | Path, env: dict[str, str], timeout: float
 
 
 def _color(label: str) -> str:
-    """distrun blue, the main anchor orange, the disk grey."""
+    """distrun blue (its memory tier green), the main anchor orange, the disk grey."""
     if label.startswith("distrun"):
-        return "tab:blue"
+        return "tab:green" if "memory" in label else "tab:blue"
     return "tab:gray" if label.startswith("dd") else "tab:orange"
 
 
