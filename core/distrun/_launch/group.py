@@ -93,7 +93,7 @@ class Worker:
     proc: Any  # subprocess.Popen, or a WarmProcess forked by a spare
     tail: collections.deque[str] = field(default_factory=new_tail)
     err_tail: collections.deque[str] = field(default_factory=new_tail)
-    threads: list[threading.Thread] = field(default_factory=list)
+    threads: list[PipeReader] = field(default_factory=list)
     log: IO[str] | None = None  # LOG_DIR/rank<N>.log, appended by both relays
 
 
@@ -162,9 +162,8 @@ class WorkerGroup:
         self.positions: str | None = None
         #: why the group ended its workers itself (a stall's summary; None: it did not)
         self.aborted: str | None = None
-        #: the background ends of stops that did not wait for the reap (:meth:`finish`): the
-        #: workers of each start, and the thread that reaps them
-        self._finishers: list[tuple[list[Worker], threading.Thread]] = []
+        #: the threads that reap the workers of stops that did not wait for it (:meth:`finish`)
+        self._finishers: list[threading.Thread] = []
 
     @staticmethod
     def spares(command: Sequence[str], nproc: int, *, environ: Mapping[str, str] | None = None,
@@ -378,12 +377,12 @@ class WorkerGroup:
             self.signal_all(signal.SIGKILL, [p for p in running if not ended(p)])
         if not reap and not any(holds_device(p.pid) for p in running if p.poll() is None):
             self._relayed(RELAY_DRAIN)
+            first = bool(self.workers) and not self._told_end  # (a second stop finds it told)
             self._tell_services()
-            if self.workers and (not self._finishers or self._finishers[-1][0] is not
-                                 self.workers):
+            if first:
                 thread = threading.Thread(target=self._reap, args=(self._hand_over(),),
                                           name="distrun-reap", daemon=True)
-                self._finishers.append((self.workers, thread))
+                self._finishers.append(thread)
                 thread.start()
             return
         for w in self.workers:
@@ -393,7 +392,7 @@ class WorkerGroup:
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait for the background end of a :meth:`stop` that did not reap (no-op otherwise)."""
-        for _, thread in self._finishers:
+        for thread in self._finishers:
             thread.join(timeout)
 
     def stop_after_failure(self, rank: int, returncode: int, grace: float, *,
@@ -475,8 +474,7 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         for w in self.workers:
             for t in w.threads:
-                if isinstance(t, PipeReader):
-                    t.drained(deadline - time.monotonic())
+                t.drained(deadline - time.monotonic())
 
 
 def _remove_records(positions: str | None) -> None:
