@@ -84,3 +84,65 @@ def test_the_reaper_returns_the_commands_exit_and_ends_what_it_left(tmp_path):
                           timeout=60)
     assert done.returncode == 5
     assert not pid_alive(int(left.read_text()))
+
+
+#: a parent whose thread that started the reaper ends first, the process a moment later: what
+#: a SIGKILLed multi-threaded launcher looks like to its children while its threads exit
+THREAD_FIRST = """
+import ctypes, os, subprocess, sys, threading, time
+from distrun._launch.reaper import reaped
+
+folder = sys.argv[1]
+subprocess.Popen(reaped(["sh", "-c", "echo $$ > %s/cmd; exec sleep 600" % folder], grace=1.0,
+                        remove=folder + "/scratch"))
+def end_later():
+    while not os.path.exists(folder + "/go"):
+        time.sleep(0.02)
+    os._exit(0)
+threading.Thread(target=end_later).start()
+while not os.path.exists(folder + "/cmd"):
+    time.sleep(0.02)
+ctypes.CDLL(None).pthread_exit(None)  # the main thread ends; the process lives on
+"""
+
+
+def test_the_reaper_outlives_its_parents_thread_and_cleans_up_when_the_process_ends(tmp_path):
+    """The kernel's parent-death signal comes when the *thread* that started the reaper ends,
+    not the process: here the main thread ends first (as when a SIGKILL takes a launcher's
+    threads one by one). The reaper keeps CMD running while the process lives, and removes
+    ``--remove`` once it is gone: the memory tier's folder is left in /dev/shm otherwise."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "state").write_text("x")
+    (tmp_path / "parent.py").write_text(THREAD_FIRST)
+    parent = subprocess.Popen([sys.executable, "parent.py", str(tmp_path)], cwd=tmp_path)
+    cmd = 0
+    try:
+        cmd = _pids(tmp_path, ["cmd"], parent)["cmd"]
+        deadline = time.monotonic() + 30
+        while (Path(f"/proc/{parent.pid}/task") / str(parent.pid)).exists() and \
+                os.listdir(f"/proc/{parent.pid}/task") == [str(parent.pid)]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)  # the thread that waits for "go" is up
+        status = ""
+        while "Z" not in status:  # the main thread has ended (it shows as a zombie)
+            assert time.monotonic() < deadline, status
+            status = (Path(f"/proc/{parent.pid}/task/{parent.pid}/stat").read_text()
+                      .rsplit(")", 1)[1].split()[0])
+            time.sleep(0.02)
+        time.sleep(1.0)
+        assert pid_alive(cmd) and scratch.exists()  # the process lives: so does the tree
+        (tmp_path / "go").touch()
+        assert parent.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while (scratch.exists() or pid_alive(cmd)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not scratch.exists() and not pid_alive(cmd)
+    finally:
+        parent.kill()
+        parent.wait()
+        if cmd:
+            try:
+                os.kill(cmd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

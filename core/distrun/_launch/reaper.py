@@ -8,8 +8,11 @@ machine runs. This small process sits between the two. It asks the kernel to
 
 - make it the *subreaper* of everything below it (``PR_SET_CHILD_SUBREAPER``): an orphaned
   descendant is reparented to it, not to init, so the whole tree stays in view;
-- send it SIGTERM when the process that started it dies (``PR_SET_PDEATHSIG``), however that
-  dies: kill -9 of a pytest included.
+- send it a signal when the process that started it dies (``PR_SET_PDEATHSIG``), however that
+  dies: kill -9 of a pytest included. The kernel sends it when the *thread* that started this
+  one ends, its children passing to a sibling thread; so the signal is a cue to look, and the
+  parent counts as gone once this process has a new parent (a SIGKILLed launcher's threads
+  end one by one: its main thread may be gone while the others still exit).
 
 It runs CMD and waits. On SIGTERM, SIGINT or SIGHUP (or its parent's death) it passes the signal
 to CMD, gives it ``--grace`` seconds to stop in order, then SIGKILLs every process still below
@@ -34,6 +37,9 @@ __all__ = ["descendants", "main", "reaped"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+#: what the kernel sends when the parent's thread that started this process ends
+_PARENT_THREAD_ENDED = signal.SIGUSR1
+_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _USAGE = ("usage: python -m distrun._launch.reaper --parent PID [--grace SECONDS] [--remove DIR] "
           "-- CMD [ARGS]")
 
@@ -123,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     received: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        received.append(signum)
+        if signum != _PARENT_THREAD_ENDED:
+            received.append(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in (*_STOPS, _PARENT_THREAD_ENDED):
         signal.signal(signum, on_signal)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before the request: start nothing
+    _prctl(_PR_SET_PDEATHSIG, _PARENT_THREAD_ENDED)
+    if os.getppid() != parent:  # it died before the request: start nothing, leave nothing
+        if remove:
+            shutil.rmtree(remove, ignore_errors=True)
         return 128 + signal.SIGTERM
     try:
         child = subprocess.Popen(command)
@@ -138,14 +147,20 @@ def main(argv: list[str] | None = None) -> int:
         return 127
     # From here the signals wait to be asked for (CMD has its own mask already): no polling
     # while nothing happens, and a signal is seen at once.
-    wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
+    wanted = {*_STOPS, _PARENT_THREAD_ENDED, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    look_often_until = 0.0  # after a parent's thread ended: its process may be on its way out
     try:
         while child.poll() is None and not received and os.getppid() == parent:
-            info = signal.sigtimedwait(wanted, 1.0)
-            if info is not None and info.si_signo != signal.SIGCHLD:
-                received.append(info.si_signo)
-            _reap_others(child.pid)
+            often = time.monotonic() < look_often_until
+            info = signal.sigtimedwait(wanted, 0.01 if often else 1.0)
+            signo = None if info is None else info.si_signo
+            if signo == _PARENT_THREAD_ENDED:
+                look_often_until = time.monotonic() + 5.0
+            elif signo in _STOPS:
+                received.append(signo)
+            elif signo == signal.SIGCHLD or not often:  # not a /proc walk every 10 ms
+                _reap_others(child.pid)
         if child.poll() is None:  # asked to stop, or the parent is gone: CMD first, in order
             child.send_signal(received[0] if received else signal.SIGTERM)
             try:
