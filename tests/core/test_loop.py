@@ -114,3 +114,33 @@ def test_run_generation_comes_from_the_launch_environment(distrun_pm, tmp_path, 
     assert capsys.readouterr().err == (
         "error: DISTRUN_RDZV_GENERATION='-1' is not a rendezvous generation (a whole number "
         ">= 0, set by the elastic agent; unset it)\n")
+
+
+def _fits_on_one_port(rank, world, run_dir):
+    import time
+
+    from distrun._registry.manager import make_plugin_manager
+
+    out = []
+    for i in range(3):
+        pm = make_plugin_manager(autoload=False, extra=["allreduce_strategy"])
+        run = Trainer(plugin_manager=pm, strategy="allreduce", max_steps=4, batch_size=32,
+                      run_dir=f"{run_dir}/{i}", summary=False, timeout=20).fit(TinyTask())
+        out.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
+        if rank == 0:
+            time.sleep(2.0)  # rank 1 meets the next fit while this rank's group is still up
+    return out
+
+
+def test_fits_one_after_another_on_one_port_each_meet_their_own_group(distrun_pm, tmp_path):
+    """A notebook's or a sweep's fits in one process, the port the same (MASTER_PORT): the
+    next fit's rendezvous reaches rank 0 while rank 0 still holds the last fit's group; it
+    must meet the next fit's ranks, not the keys of the last (a gloo connect to a closed port,
+    or a client cut when rank 0 closes the last fit's store)."""
+    single = weights(fit(tmp_path, max_steps=4, batch_size=32))
+    per_rank = run_on_ranks(_fits_on_one_port, 2, str(tmp_path / "r2"), timeout=120)
+    for fits in per_rank:
+        assert len(fits) == 3
+        for state in fits:
+            for k, v in single.items():
+                torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6)

@@ -59,16 +59,43 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=config.timeout), **kwargs,
-    )
+    timeout = datetime.timedelta(seconds=config.timeout)
+    dist.init_process_group(backend=backend, store=_group_store(rank, world, timeout),
+                            rank=rank, world_size=world, timeout=timeout, **kwargs)
     # Every rank says it joined (as Lightning does); rank 0 then says the group is complete.
     print(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}",
           flush=True)
     if rank == 0:
         log.info("distributed_backend=%s: all %d processes registered", backend, world)
     return True
+
+
+#: per rendezvous address (MASTER_ADDR, MASTER_PORT): [this process's id, its store, the
+#: groups this process has made on it]
+_rendezvous: dict[tuple[str, str], list[Any]] = {}
+
+
+def _group_store(rank: int, world: int, timeout: datetime.timedelta) -> Any:
+    """The store a new default group meets on: env://'s store, under a prefix of its own.
+
+    A notebook's or a sweep's fits, one after another in one process, meet on one port. With
+    env:// as torch does it each group would use the same keys, on a store rank 0 closes
+    when its group goes: a rank that starts the next fit before rank 0 has closed the last
+    one's group reaches that old store and reads the last group's keys (gloo then connects
+    to a port long closed), or is cut off when the old store closes. So the store is kept for
+    the life of the process (rank 0 serves it on), and the n-th group this process makes on
+    that address meets under ``distrun/group/<n>/``: every rank makes the same groups in the
+    same order. The store still comes from torch's env:// rendezvous, so the launcher's
+    socket (``distrun._worker.store``) and torchrun's agent store serve it as before.
+    """
+    key = (os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", ""))
+    entry = _rendezvous.get(key)
+    if entry is None or entry[0] != os.getpid():  # a forked child has its own connection
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        entry = _rendezvous[key] = [os.getpid(), store, 0]
+    entry[2] += 1
+    entry[1].set_timeout(timeout)
+    return dist.PrefixStore(f"distrun/group/{entry[2]}", entry[1])
 
 
 def prepare_backend(config: RunConfig, device_type: str | None = None,
