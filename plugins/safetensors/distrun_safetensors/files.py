@@ -63,7 +63,7 @@ def fsync_dir(path: str) -> None:
 
 def write_json(path: str, obj: Any) -> dict[str, Any]:
     """Write ``obj`` as JSON and fsync it; return its ``{"size", <checksum name>}`` report."""
-    data = json.dumps(obj, indent=1, sort_keys=False).encode()
+    data = json.dumps(obj, separators=(",", ":")).encode()  # C encoder: indent is Python
     try:
         with open(path, "wb") as fh:
             fh.write(data)

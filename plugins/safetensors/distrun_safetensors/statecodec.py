@@ -13,6 +13,8 @@ from distrun_safetensors.files import CheckpointError
 
 __all__ = ["check_encoded", "decode", "encode"]
 
+#: the JSON values a list may hold as they are (exact types: a subclass takes the long way)
+_SCALARS = frozenset({bool, int, float, str, type(None)})
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__inline__")
 #: the dtypes an ``__inline__`` tensor may name (``torch.<name>``; complex values are not JSON)
 _INLINE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32",
@@ -35,10 +37,12 @@ def encode(value: Any, path: str, tensors: dict[str, Any] | None) -> Any:
                                    "shape": list(t.shape), "data": t.reshape(-1).tolist()}}
         tensors[path] = t.contiguous().clone()
         return {"__tensor__": path}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, (list, tuple)):
+        if _SCALARS.issuperset(map(type, value)):  # an RNG's state: 625 ints, at every save
+            items = list(value)
+        else:
+            items = [encode(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
     if isinstance(value, dict):
         if all(isinstance(k, str) and k not in _TAGS for k in value):
             return {k: encode(v, f"{path}.{k}", tensors) for k, v in value.items()}

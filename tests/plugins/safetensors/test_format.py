@@ -74,8 +74,13 @@ def test_consolidate_interop_with_safetensors_load_file(tmp_path):
 
 
 def test_state_codec_round_trip_and_refusal():
+    import random
+
+    import numpy as np
+
     state = {"rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)},
-             "ints": {1: "a", 2: [1.5, float("inf")]}, "nested": [{"t": torch.arange(3)}]}
+             "ints": {1: "a", 2: [1.5, float("inf")]}, "nested": [{"t": torch.arange(3)}],
+             "random": random.getstate(), "np": [np.uint32(7), 1, True]}
     tensors: dict = {}
     encoded = json.loads(json.dumps(encode(state, "s", tensors)))
     back = decode(encoded, tensors.__getitem__)
@@ -83,6 +88,8 @@ def test_state_codec_round_trip_and_refusal():
     assert back["rng"]["python"] == (3, (1, 2), None)
     assert back["ints"] == {1: "a", 2: [1.5, float("inf")]}
     assert torch.equal(back["nested"][0]["t"], torch.arange(3))
+    assert back["random"] == random.getstate()  # 625 ints as they are, in their tuples
+    assert back["np"] == [7, 1, True] and type(back["np"][0]) is int
     with pytest.raises(CheckpointError, match=r"'s.bad' is a object"):
         encode({"bad": object()}, "s", {})
 
