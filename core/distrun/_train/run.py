@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,8 @@ class LoopState:
     stop_requested: bool = False
     #: set by the loop: stop after this step (agreed by every rank, or max_steps)
     done: bool = False
+    #: inside :meth:`Run.stop_signals_held`: the stop signals that came meanwhile, in order
+    held_signals: list[int] | None = None
 
 
 class Run:
@@ -274,6 +278,24 @@ class Run:
             plugin = self._scoped.pop()
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
+
+    @contextlib.contextmanager
+    def stop_signals_held(self) -> Iterator[None]:
+        """Hold the stop signals (SIGTERM, SIGINT, SIGUSR1) that come during this block and
+        handle them at its end, as if they came then: for work that must not be cut in two.
+        A launcher stops a rank whose peer died with SIGTERM, which raises in the loop's
+        thread wherever it is (the step cannot finish without the peer); the rows of a
+        checkpoint's steps, logged just after its commit, would be lost from the cut on."""
+        if self.state.held_signals is not None:  # nested: the outermost block handles them
+            yield
+            return
+        self.state.held_signals = []
+        try:
+            yield
+        finally:
+            came, self.state.held_signals = self.state.held_signals, None
+            for signum in came:
+                signal.raise_signal(signum)  # the handler runs now, in this thread
 
     def request_stop(self) -> None:
         """Ask the run to end soon, as if it had finished (early stopping).

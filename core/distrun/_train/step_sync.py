@@ -152,10 +152,12 @@ class StepSync(Joinable):
         self.flush()
 
     def log_held(self) -> None:
-        """Log the rows :meth:`reduce_for_commit` reduced, in order."""
+        """Log the rows :meth:`reduce_for_commit` reduced, in order, every one: a stop signal
+        that comes meanwhile (a peer died after the commit) waits until they are logged."""
         held, self._held = self._held or [], None
-        for done, summed in held:
-            done(summed)
+        with self.run.stop_signals_held():
+            for done, summed in held:
+                done(summed)
 
     def drain(self, metrics: bool = False) -> int:
         """At the end of an epoch or of the fit (``metrics``: the last, partial window too),

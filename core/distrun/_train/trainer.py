@@ -330,6 +330,9 @@ def _install_stop_handlers(run: Run, body: _Body) -> dict[int, Any]:
     previous = {}
 
     def on_stop(signum: int, frame: Any) -> None:
+        if run.state.held_signals is not None:  # handled at the end of the held block
+            run.state.held_signals.append(signum)
+            return
         if signum == signal.SIGINT and run.stop_signal is not None:
             raise KeyboardInterrupt
         run.stop_signal = signum

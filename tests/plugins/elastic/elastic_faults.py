@@ -10,6 +10,9 @@ PYTHONPATH). Faults are read from the environment; ``attempt`` is TORCHELASTIC_R
   that step (after its files are written, at the rename that would publish it);
 - ``EL_KILL_AFTER_COMMIT="attempt:step:rank"``: that rank SIGKILLs itself once the checkpoint
   of that step is committed (``latest`` names it), before the step's boundary;
+- ``EL_SLOW_ROW="attempt:step:rank"``: that rank takes a second over logging that step's row,
+  before any logger writes it (a stop that comes then comes while a checkpoint's rows are
+  logged);
 - ``EL_STALL="attempt:step:rank"``: that rank sleeps for an hour inside the step;
 - ``EL_WAIT_AT="attempt:step"``: rank 0 writes ``waiting`` before it trains that step, then
   waits until ``go`` exists;
@@ -179,6 +182,12 @@ def distrun_on_step_end(run, step):
     term = os.environ.get("EL_SIGTERM", "")
     if term and term == f"{_attempt()}:{step}:{run.rank}":
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+@hookimpl(tryfirst=True)
+def distrun_log_metrics(run, step, metrics):
+    if os.environ.get("EL_SLOW_ROW", "") == f"{_attempt()}:{step}:{run.rank}":
+        time.sleep(1.0)
 
 
 @hookimpl(wrapper=True)

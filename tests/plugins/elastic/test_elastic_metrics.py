@@ -16,11 +16,15 @@ from distrun.testing import run_cli
 def test_a_rank_killed_right_after_a_commit_loses_no_metrics_row(tmp_path):
     """Rank 1 SIGKILLs itself once step 20's checkpoint is committed, before the step's
     boundary (where its row, and those of the steps since the last vote, were still only
-    packed): the run resumes at step 20 and metrics.csv has every step once."""
+    packed): the run resumes at step 20 and metrics.csv has every step once. Rank 0 takes a
+    second over step 20's row, the last of those it logs after the commit, so the launcher's
+    SIGTERM comes while it logs them (under load it once came there by itself, and cut the
+    rows not yet logged)."""
     rec = tmp_path / "rec"
     result = run_cli("run", "--max-restarts", "1", "--ckpt-every-n-steps", "10", *TRAIN,
                      "--log-every-n-steps", "1", "--name", "m", TASK, cwd=tmp_path,
-                     env=plugin_env(rec, EL_KILL_AFTER_COMMIT="0:20:1"), timeout=540)
+                     env=plugin_env(rec, EL_KILL_AFTER_COMMIT="0:20:1", EL_SLOW_ROW="0:20:0"),
+                     timeout=540)
     assert result.returncode == 0, result
     assert "rank 1 exited with code 137; restarting the workers from the latest" in result.stderr, \
         result
