@@ -70,9 +70,9 @@ def init_process_group(config: RunConfig, device: torch.device, backend: str | N
     return True
 
 
-#: per rendezvous address (MASTER_ADDR, MASTER_PORT): [this process's id, its store, the
-#: groups this process has made on it]
-_rendezvous: dict[tuple[str, str], list[Any]] = {}
+#: per (process id, MASTER_ADDR, MASTER_PORT): the rendezvous store, and how many groups this
+#: process has made on it (a forked child's pid is its own: it makes its own connection)
+_rendezvous: dict[tuple[int, str, str], tuple[Any, int]] = {}
 
 
 def _group_store(rank: int, world: int, timeout: datetime.timedelta) -> Any:
@@ -88,14 +88,13 @@ def _group_store(rank: int, world: int, timeout: datetime.timedelta) -> Any:
     same order. The store still comes from torch's env:// rendezvous, so the launcher's
     socket (``distrun._worker.store``) and torchrun's agent store serve it as before.
     """
-    key = (os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", ""))
-    entry = _rendezvous.get(key)
-    if entry is None or entry[0] != os.getpid():  # a forked child has its own connection
+    key = (os.getpid(), os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", ""))
+    store, made = _rendezvous.get(key, (None, 0))
+    if store is None:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        entry = _rendezvous[key] = [os.getpid(), store, 0]
-    entry[2] += 1
-    entry[1].set_timeout(timeout)
-    return dist.PrefixStore(f"distrun/group/{entry[2]}", entry[1])
+    _rendezvous[key] = (store, made + 1)
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"distrun/group/{made + 1}", store)
 
 
 def prepare_backend(config: RunConfig, device_type: str | None = None,
